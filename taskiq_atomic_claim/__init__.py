@@ -1,0 +1,12 @@
+"""Crash recovery for taskiq's Redis Streams broker that no client crash can wedge."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+
+try:
+    __version__ = version("taskiq-atomic-claim")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
+
+__all__ = ["AtomicRedisStreamBroker", "__version__"]

@@ -1,0 +1,266 @@
+"""The crash drill: SIGKILL a real ``taskiq worker`` mid-task, time the recovery.
+
+Each round starts a worker with ``--ack-type when_executed``, sends it one
+task, kills the worker's whole process group the moment the task starts
+(so the message stays pending, as after an OOM kill), starts a replacement
+worker and measures how long until the replacement runs the task again.
+The queue is otherwise idle, which is the case taskiq-redis 1.2.4 never
+recovers from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from taskiq import AsyncBroker
+from taskiq.kicker import AsyncKicker
+
+from taskiq_atomic_claim.drill_app import TASK_NAME, build_broker, events_stream
+from taskiq_atomic_claim.keys import StreamKeys
+
+
+@dataclass
+class DrillRound:
+    recovered: bool
+    # SIGKILL to the replacement starting the task; None if never.
+    kill_to_rerun_s: float | None
+    # First delivery to the rerun: what idle_timeout bounds.
+    delivery_to_rerun_s: float | None
+
+
+@dataclass
+class DrillReport:
+    url: str
+    broker: str
+    idle_timeout: int
+    claim_interval: int
+    rounds: list[DrillRound] = field(default_factory=list)
+
+    @property
+    def recovered(self) -> int:
+        return sum(r.recovered for r in self.rounds)
+
+    def kill_to_rerun(self) -> list[float]:
+        return [r.kill_to_rerun_s for r in self.rounds if r.kill_to_rerun_s is not None]
+
+    def summary(self) -> str:
+        times = self.kill_to_rerun()
+        head = (
+            f"{self.broker} broker, idle_timeout {self.idle_timeout} ms, claim interval"
+            f" {self.claim_interval} ms: recovered {self.recovered}/{len(self.rounds)}"
+        )
+        if not times:
+            return head
+        return (
+            f"{head}; SIGKILL -> rerun median {statistics.median(times):.2f} s,"
+            f" max {max(times):.2f} s"
+        )
+
+
+def _taskiq_command() -> list[str]:
+    script = Path(sys.executable).with_name("taskiq")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "taskiq"]
+
+
+class _Worker:
+    """A ``taskiq worker`` process group, killed with the group."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                *_taskiq_command(),
+                "worker",
+                "taskiq_atomic_claim.drill_app:broker",
+                "--ack-type",
+                "when_executed",
+                "--workers",
+                "1",
+                "--max-prefetch",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.process.wait(timeout=10)
+        self.log.close()
+
+
+class _Events:
+    def __init__(self, client: Redis, stream: str) -> None:
+        self.client = client
+        self.stream = stream
+        self.last_id = "0-0"
+
+    async def wait_for(
+        self, event: str, deadline: float, run_id: str = "", worker: str | None = None
+    ) -> float | None:
+        """Monotonic time the event was seen, or None at the deadline."""
+        while (remaining := deadline - time.monotonic()) > 0:
+            reply: Any = await self.client.xread(
+                {self.stream: self.last_id},
+                block=max(1, int(min(remaining, 0.5) * 1000)),
+            )
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    self.last_id = entry_id.decode()
+                    if (
+                        fields[b"event"].decode() == event
+                        and fields[b"run"].decode() == run_id
+                        and (worker is None or fields[b"worker"].decode() == worker)
+                    ):
+                        return time.monotonic()
+        return None
+
+
+@contextlib.contextmanager
+def _workers() -> Iterator[list[_Worker]]:
+    started: list[_Worker] = []
+    try:
+        yield started
+    finally:
+        for worker in started:
+            worker.kill()
+            worker.stop()
+
+
+@dataclass
+class _Drill:
+    url: str
+    queue: str
+    report: DrillReport
+    events: _Events
+    kicker_broker: AsyncBroker
+    give_up_after: float
+    log_dir: Path
+
+    def _worker(self, name: str) -> _Worker:
+        env = {
+            **os.environ,
+            "TAC_DRILL_URL": self.url,
+            "TAC_DRILL_QUEUE": self.queue,
+            "TAC_DRILL_IDLE_TIMEOUT": str(self.report.idle_timeout),
+            "TAC_DRILL_CLAIM_INTERVAL": str(self.report.claim_interval),
+            "TAC_DRILL_BROKER": self.report.broker,
+            "TAC_DRILL_WORKER": name,
+        }
+        return _Worker(env, self.log_dir / f"{self.queue}-{name}.log")
+
+    async def one_round(self, number: int) -> DrillRound:
+        run_id = f"round-{number}"
+        deadline = time.monotonic() + self.give_up_after
+        with _workers() as workers:
+            doomed_name = f"doomed-{number}"
+            doomed = self._worker(doomed_name)
+            workers.append(doomed)
+            if (
+                await self.events.wait_for("ready", deadline, worker=doomed_name)
+                is None
+            ):
+                raise RuntimeError(f"drill worker did not start; see {doomed.log.name}")
+            kicker: AsyncKicker[Any, Any] = AsyncKicker(
+                TASK_NAME, self.kicker_broker, {}
+            )
+            await kicker.kiq(run_id, 1.0)
+            delivered = await self.events.wait_for(
+                "started", deadline, run_id, doomed_name
+            )
+            if delivered is None:
+                raise RuntimeError("drill worker never started the task")
+            doomed.kill()
+            killed = time.monotonic()
+            doomed.process.wait(timeout=10)
+
+            fresh_name = f"fresh-{number}"
+            workers.append(self._worker(fresh_name))
+            rerun = await self.events.wait_for(
+                "started", killed + self.give_up_after, run_id, fresh_name
+            )
+            if rerun is None:
+                return DrillRound(False, None, None)
+            await self.events.wait_for(
+                "finished", rerun + self.give_up_after, run_id, fresh_name
+            )
+            return DrillRound(True, rerun - killed, rerun - delivered)
+
+
+async def run_drill(
+    url: str,
+    *,
+    rounds: int = 3,
+    idle_timeout: int = 2000,
+    claim_interval: int = 500,
+    broker_kind: str = "atomic",
+    give_up_after: float = 30.0,
+    log_dir: Path | None = None,
+    plant_legacy_lock: bool = False,
+) -> DrillReport:
+    """Run ``rounds`` kill-and-recover rounds against the server at ``url``.
+
+    ``plant_legacy_lock`` first writes the no-expiry ``autoclaim:*`` key a
+    taskiq-redis 1.1.2 worker killed inside its lock leaves behind.
+    """
+    queue = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
+    client = Redis.from_url(url)
+    legacy_lock = f"autoclaim:taskiq:{queue}"
+    drill = _Drill(
+        url=url,
+        queue=queue,
+        report=DrillReport(url, broker_kind, idle_timeout, claim_interval),
+        events=_Events(client, events_stream(queue)),
+        kicker_broker=build_broker(
+            url, queue, idle_timeout, claim_interval, broker_kind
+        ),
+        give_up_after=give_up_after,
+        log_dir=log_dir or Path(tempfile.gettempdir()),
+    )
+    try:
+        # The group must exist before the first kick: a worker's startup
+        # creates it at "$", which would skip a message sent just before.
+        await client.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        if plant_legacy_lock:
+            await client.set(legacy_lock, "killed-worker-token")
+        for number in range(rounds):
+            drill.report.rounds.append(await drill.one_round(number))
+    finally:
+        keys = StreamKeys(queue, "taskiq")
+        await client.delete(queue, drill.events.stream, keys.lease, keys.cursor)
+        if plant_legacy_lock:
+            await client.delete(legacy_lock)
+        await drill.kicker_broker.shutdown()
+        await client.aclose()
+    return drill.report
+
+
+def main_drill(url: str, rounds: int, broker_kind: str) -> DrillReport:
+    return asyncio.run(run_drill(url, rounds=rounds, broker_kind=broker_kind))

@@ -1,0 +1,67 @@
+"""The taskiq app the crash drill runs under ``taskiq worker``.
+
+Configured from the environment so a plain ``taskiq worker
+taskiq_atomic_claim.drill_app:broker`` subprocess picks it up. The task
+reports to an events stream (data, never expiring) when it starts and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from redis.asyncio import Redis
+from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
+from taskiq_redis import RedisStreamBroker
+
+from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+
+TASK_NAME = "taskiq_atomic_claim.drill.work"
+
+
+def events_stream(queue: str) -> str:
+    return f"{queue}:drill-events"
+
+
+def build_broker(
+    url: str, queue: str, idle_timeout: int, claim_interval: int, kind: str
+) -> AsyncBroker:
+    """``kind`` "atomic" is this package's broker; "upstream" is taskiq-redis's."""
+    if kind == "upstream":
+        return RedisStreamBroker(url, queue_name=queue, idle_timeout=idle_timeout)
+    return AtomicRedisStreamBroker(
+        url, queue_name=queue, idle_timeout=idle_timeout, claim_interval=claim_interval
+    )
+
+
+_URL = os.environ.get("TAC_DRILL_URL", "redis://127.0.0.1:6379")
+_QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
+_WORKER = os.environ.get("TAC_DRILL_WORKER", f"{socket.gethostname()}:{os.getpid()}")
+
+broker = build_broker(
+    _URL,
+    _QUEUE,
+    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
+    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
+    os.environ.get("TAC_DRILL_BROKER", "atomic"),
+)
+_events = Redis.from_url(_URL)
+
+
+async def _report(event: str, run_id: str = "") -> None:
+    await _events.xadd(
+        events_stream(_QUEUE), {"event": event, "run": run_id, "worker": _WORKER}
+    )
+
+
+@broker.on_event(TaskiqEvents.WORKER_STARTUP)
+async def _ready(_: TaskiqState) -> None:
+    await _report("ready")
+
+
+@broker.task(task_name=TASK_NAME)
+async def work(run_id: str, seconds: float) -> None:
+    await _report("started", run_id)
+    await asyncio.sleep(seconds)
+    await _report("finished", run_id)

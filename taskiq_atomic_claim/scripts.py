@@ -1,0 +1,237 @@
+"""The server-side operations in ``lua/``: building, loading and calling them.
+
+Each top-level ``lua/<operation>.lua`` file is one operation; shared pieces in
+``lua/includes/`` are pulled in by a ``--- @include "name"`` line. The files
+are read once, at import. On servers with functions (Redis/Valkey >= 7) the
+operations are loaded as one function library, which persists and replicates;
+on Redis 6.2 each is a cached script called by SHA. The library's name and its
+functions' names carry a version derived from the Lua source, so releases with
+different scripts can share a server without replacing each other's.
+
+Keys and values only ever travel as KEYS and ARGV; the source never changes
+after import, which is what makes script caching, ACL key patterns and Cluster
+slot routing work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+from redis.exceptions import NoScriptError, ResponseError
+
+LIBRARY_PREFIX = "taskiq_atomic_claim_"
+_INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
+_OPERATION_NAME = re.compile(r"^[a-z_]+$")
+
+
+class ScriptClient(Protocol):
+    """The slice of a redis-py asyncio client the runner needs."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
+
+
+def lua_directory() -> Path:
+    """Where the Lua files are: inside the wheel, or at the source tree's root."""
+    packaged = Path(str(resources.files("taskiq_atomic_claim"))) / "lua"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "lua"
+
+
+def _resolve_includes(source: str, includes: Path, seen: tuple[str, ...] = ()) -> str:
+    def include(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in seen:
+            raise ValueError(f"Lua include cycle: {' -> '.join((*seen, name))}")
+        text = (includes / f"{name}.lua").read_text(encoding="utf-8")
+        return _resolve_includes(text, includes, (*seen, name)).rstrip("\n")
+
+    return _INCLUDE.sub(include, source)
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
+
+
+@dataclass(frozen=True)
+class ScriptLibrary:
+    """All operations, and the function library built from them."""
+
+    scripts: dict[str, Script]
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> ScriptLibrary:
+        scripts = {}
+        for path in sorted(directory.glob("*.lua")):
+            if not _OPERATION_NAME.match(path.stem):
+                raise ValueError(f"Lua operation file name must be [a-z_]: {path}")
+            source = _resolve_includes(
+                path.read_text(encoding="utf-8"), directory / "includes"
+            )
+            scripts[path.stem] = Script(path.stem, source)
+        if not scripts:
+            raise FileNotFoundError(f"no Lua operations found in {directory}")
+        return cls(scripts)
+
+    @property
+    def version(self) -> str:
+        digest = hashlib.sha1(usedforsecurity=False)
+        for script in self.scripts.values():
+            digest.update(f"{script.name}\0{script.source}\0".encode())
+        return digest.hexdigest()[:12]
+
+    @property
+    def name(self) -> str:
+        return LIBRARY_PREFIX + self.version
+
+    def function_name(self, operation: str) -> str:
+        return f"tac_{self.version}_{operation}"
+
+    @property
+    def function_code(self) -> str:
+        parts = [f"#!lua name={self.name}"]
+        for script in self.scripts.values():
+            parts.append(
+                f"local function {script.name}(KEYS, ARGV)\n{script.source}\nend\n"
+                f"redis.register_function('{self.function_name(script.name)}',"
+                f" {script.name})"
+            )
+        return "\n".join(parts) + "\n"
+
+
+LIBRARY = ScriptLibrary.from_directory(lua_directory())
+
+
+class LoadMode(Enum):
+    FUNCTIONS = "function library"
+    SCRIPTS = "cached scripts"
+
+
+class LibraryState(Enum):
+    CURRENT = "current"
+    MISSING = "missing"
+    OUTDATED = "outdated"
+
+
+@dataclass(frozen=True)
+class LibraryStatus:
+    mode: LoadMode
+    state: LibraryState
+    # Other versions of this package's library found on the server.
+    other_versions: tuple[str, ...] = ()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _is_missing_function(error: ResponseError) -> bool:
+    return "function not found" in str(error).lower()
+
+
+async def detect_mode(client: ScriptClient) -> LoadMode:
+    info = await client.execute_command("INFO", "server")
+    version = str(info.get("redis_version", "0")) if isinstance(info, dict) else "0"
+    major = int(version.split(".", 1)[0] or 0)
+    return LoadMode.FUNCTIONS if major >= 7 else LoadMode.SCRIPTS
+
+
+class ScriptRunner:
+    """Calls the library's operations on one server, loading them on demand.
+
+    A missing script or function (server restart, SCRIPT/FUNCTION FLUSH,
+    failover to a node that never had it) is loaded and the call retried once.
+    """
+
+    def __init__(self, library: ScriptLibrary = LIBRARY) -> None:
+        self.library = library
+        self._mode: LoadMode | None = None
+        self.reloads = 0
+
+    async def mode(self, client: ScriptClient) -> LoadMode:
+        if self._mode is None:
+            self._mode = await detect_mode(client)
+        return self._mode
+
+    async def load(self, client: ScriptClient) -> LoadMode:
+        """Load every operation; idempotent."""
+        mode = await self.mode(client)
+        if mode is LoadMode.FUNCTIONS:
+            # REPLACE only ever touches this exact version's library.
+            await client.execute_command(
+                "FUNCTION", "LOAD", "REPLACE", self.library.function_code
+            )
+        else:
+            for script in self.library.scripts.values():
+                await client.execute_command("SCRIPT", "LOAD", script.source)
+        return mode
+
+    async def status(self, client: ScriptClient) -> LibraryStatus:
+        mode = await self.mode(client)
+        if mode is LoadMode.SCRIPTS:
+            shas = [script.sha for script in self.library.scripts.values()]
+            loaded = await client.execute_command("SCRIPT", "EXISTS", *shas)
+            state = LibraryState.CURRENT if all(loaded) else LibraryState.MISSING
+            return LibraryStatus(mode, state)
+        listing = await client.execute_command(
+            "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_PREFIX + "*"
+        )
+        names = sorted(_library_name(entry) for entry in listing)
+        others = tuple(name for name in names if name != self.library.name)
+        if self.library.name in names:
+            return LibraryStatus(mode, LibraryState.CURRENT, others)
+        state = LibraryState.OUTDATED if others else LibraryState.MISSING
+        return LibraryStatus(mode, state, others)
+
+    async def call(
+        self,
+        client: ScriptClient,
+        operation: str,
+        keys: list[str],
+        args: list[str | int],
+    ) -> Any:
+        try:
+            return await self._invoke(client, operation, keys, args)
+        except NoScriptError:
+            pass
+        except ResponseError as error:
+            if not _is_missing_function(error):
+                raise
+        self.reloads += 1
+        await self.load(client)
+        return await self._invoke(client, operation, keys, args)
+
+    async def _invoke(
+        self,
+        client: ScriptClient,
+        operation: str,
+        keys: list[str],
+        args: list[str | int],
+    ) -> Any:
+        if await self.mode(client) is LoadMode.FUNCTIONS:
+            name = self.library.function_name(operation)
+            return await client.execute_command("FCALL", name, len(keys), *keys, *args)
+        sha = self.library.scripts[operation].sha
+        return await client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+
+
+def _library_name(entry: Any) -> str:
+    # FUNCTION LIST replies with a flat [key, value, ...] list per library
+    # under RESP2 and a map under RESP3.
+    if isinstance(entry, dict):
+        fields = {_text(k): v for k, v in entry.items()}
+    else:
+        fields = {_text(k): v for k, v in zip(entry[::2], entry[1::2], strict=True)}
+    return _text(fields["library_name"])
