@@ -5,6 +5,7 @@
   KEYS[1]  stream                    data, never given an expiry
   KEYS[2]  lease key                 coordination: holder name, always expires
   KEYS[3]  cursor key                coordination: XAUTOCLAIM cursor, always expires
+  KEYS[4]  dead-letter stream        data, never given an expiry
 
   ARGV[1]  group
   ARGV[2]  consumer                  the claimer, recorded as lease holder
@@ -12,13 +13,19 @@
   ARGV[4]  count                     XAUTOCLAIM COUNT (unacknowledged_batch_size)
   ARGV[5]  lease_ms                  lease lifetime
   ARGV[6]  cursor_ttl_ms             cursor lifetime
+  ARGV[7]  max_deliveries            0: never dead-letter; else an entry
+                                     delivered more often (crashes included)
+                                     goes to KEYS[4] instead of the claimer
 
   Returns one of
     {"skipped", holder, lease_pttl_ms}
         another consumer holds the lease; nothing was claimed.
-    {"claimed", next_cursor, {{id, {field, value, ...}}, ...}, {trimmed_id, ...}}
+    {"claimed", next_cursor, {{id, {field, value, ...}}, ...}, {trimmed_id, ...},
+     {dead_lettered_id, ...}}
         entries now owned by ARGV[2]; trimmed ids were pending but their
-        stream entry is gone (trimmed or XDEL'd) and were removed from the PEL.
+        stream entry is gone (trimmed or XDEL'd) and were removed from the PEL;
+        dead-lettered ids exceeded max_deliveries, were copied to KEYS[4] and
+        acked.
 
   Invariant: the lease and the cursor key never exist without an expiry,
   whatever wrote them. The script runs atomically, so no client crash can
@@ -26,10 +33,13 @@
   or neither did.
 ]]
 
-local stream, lease_key, cursor_key = KEYS[1], KEYS[2], KEYS[3]
+--- @include "move_to_dead_letters"
+
+local stream, lease_key, cursor_key, dead_letters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, count = ARGV[3], ARGV[4]
 local lease_ms, cursor_ttl_ms = ARGV[5], ARGV[6]
+local max_deliveries = tonumber(ARGV[7])
 
 local holder = redis.call("GET", lease_key)
 if holder and holder ~= consumer then
@@ -48,11 +58,22 @@ local reply = redis.call("XAUTOCLAIM", stream, group, consumer, min_idle_ms, sta
   "COUNT", count)
 local next_cursor = reply[1]
 
-local claimed, trimmed = {}, {}
+local claimed, trimmed, dead_lettered = {}, {}, {}
 local saw_vanished_entry = false
 for _, entry in ipairs(reply[2]) do
   if entry then
-    claimed[#claimed + 1] = entry
+    local deliveries = 0
+    if max_deliveries > 0 then
+      -- XAUTOCLAIM counted this delivery already.
+      deliveries = redis.call("XPENDING", stream, group, entry[1], entry[1], 1)[1][4]
+    end
+    if max_deliveries > 0 and deliveries > max_deliveries then
+      move_to_dead_letters(stream, dead_letters, group, entry[1], entry[2], deliveries,
+        "max_deliveries exceeded")
+      dead_lettered[#dead_lettered + 1] = entry[1]
+    else
+      claimed[#claimed + 1] = entry
+    end
   else
     -- Redis 6.2 returns a nil in place of an entry that is gone from the
     -- stream and leaves it in the PEL; 7.x lists it in reply[3] instead.
@@ -91,4 +112,4 @@ else
   redis.call("SET", cursor_key, next_cursor, "PX", cursor_ttl_ms)
 end
 
-return {"claimed", next_cursor, claimed, trimmed}
+return {"claimed", next_cursor, claimed, trimmed, dead_lettered}

@@ -15,9 +15,11 @@ from taskiq import AckableMessage
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import (
+    DEFAULT_MAX_DELIVERIES,
     ClaimSettings,
     require_name,
     require_positive_int,
@@ -55,6 +57,7 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
         xread_count: int | None = 100,
         additional_streams: dict[str, str | int] | None = None,
         claim_interval: int | None = None,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its units, plus ``claim_interval``.
@@ -65,12 +68,16 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
             (as in the parent); by default one claim interval, never forever.
         :param claim_interval: ms between reclaim cycles; by default
             min(1000, idle_timeout // 2). Must be below idle_timeout.
+        :param max_deliveries: an entry delivered more often than this
+            (worker crashes included) goes to the dead-letter stream instead
+            of crash-looping the fleet; None never gives up.
         """
         self.claim_settings = ClaimSettings.from_broker_arguments(
             idle_timeout=idle_timeout,
             claim_interval=claim_interval,
             unacknowledged_batch_size=unacknowledged_batch_size,
             unacknowledged_lock_timeout=unacknowledged_lock_timeout,
+            max_deliveries=max_deliveries,
         )
         _check_stream_arguments(
             queue_name=queue_name,
@@ -123,6 +130,16 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
                 stream,
                 ", ".join(outcome.trimmed),
             )
+        if outcome.dead_lettered:
+            logger.error(
+                "%d entries of stream %r were delivered more than %d times and"
+                " moved to dead letters %r: %s",
+                len(outcome.dead_lettered),
+                stream,
+                self.claim_settings.max_deliveries,
+                StreamKeys(stream, self.consumer_group_name).dead_letters,
+                ", ".join(outcome.dead_lettered),
+            )
         if outcome.entries:
             logger.debug(
                 "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
@@ -144,7 +161,11 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
                         for stream in self.streams:
                             outcome = await self.claim(redis_conn, stream)
                             for entry in outcome.entries:
-                                yield self._ackable(stream, entry.id, entry.fields)
+                                message = await self._deliverable(
+                                    redis_conn, stream, entry.id, entry.fields
+                                )
+                                if message is not None:
+                                    yield message
                     # Never block past the next claim: reclaim must not wait
                     # for traffic.
                     until_claim = max(1, int((next_claim - time.monotonic()) * 1000))
@@ -171,14 +192,39 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
                     outage_started, backoff = None, 0.05
                 for stream, messages in fetched or []:
                     for entry_id, fields in messages:
-                        yield self._ackable(stream, entry_id, fields)
+                        message = await self._deliverable(
+                            redis_conn, stream, entry_id, fields
+                        )
+                        if message is not None:
+                            yield message
 
-    def _ackable(
-        self, stream: str | bytes, entry_id: str | bytes, fields: dict[Any, Any]
-    ) -> AckableMessage:
+    async def _deliverable(
+        self,
+        redis_conn: Redis,
+        stream: str | bytes,
+        entry_id: str | bytes,
+        fields: dict[Any, Any],
+    ) -> AckableMessage | None:
+        """The entry as a message, or None once an entry taskiq cannot run is
+        moved to the dead letters (written by something other than a broker)."""
         stream_name = stream.decode() if isinstance(stream, bytes) else stream
         message_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes):
+            keys = StreamKeys(stream_name, self.consumer_group_name)
+            await move_to_dead_letters(
+                self.scripts, redis_conn, keys, message_id, "no data field"
+            )
+            logger.error(
+                "Entry %s of stream %r has no %r field; moved to dead letters %r",
+                message_id,
+                stream_name,
+                _DATA_FIELD.decode(),
+                keys.dead_letters,
+            )
+            return None
         return AckableMessage(
             data=data,
             ack=self._ack_generator(id=message_id, queue_name=stream_name),

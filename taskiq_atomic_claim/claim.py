@@ -26,6 +26,8 @@ class ClaimOutcome:
     entries: list[ClaimedEntry] = field(default_factory=list)
     # Pending entries whose stream data was gone: removed from the PEL.
     trimmed: list[str] = field(default_factory=list)
+    # Delivered more than max_deliveries times: moved to the dead letters.
+    dead_lettered: list[str] = field(default_factory=list)
     next_cursor: str = "0-0"
     lease_holder: str | None = None
     lease_ttl_ms: int | None = None
@@ -53,6 +55,7 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
         skipped=False,
         entries=entries,
         trimmed=[_text(entry_id) for entry_id in reply[3]],
+        dead_lettered=[_text(entry_id) for entry_id in reply[4]],
         next_cursor=_text(reply[1]),
     )
 
@@ -68,7 +71,7 @@ async def claim_idle_entries(
     reply = await runner.call(
         client,
         "claim",
-        [keys.stream, keys.lease, keys.cursor],
+        [keys.stream, keys.lease, keys.cursor, keys.dead_letters],
         [
             keys.group,
             consumer,
@@ -76,6 +79,7 @@ async def claim_idle_entries(
             settings.batch_size,
             settings.lease,
             settings.cursor_ttl,
+            settings.max_deliveries,
         ],
     )
     return _parse(reply)

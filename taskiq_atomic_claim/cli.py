@@ -11,6 +11,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim import __version__
+from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, ScriptRunner
 
 PROG = "taskiq-atomic-claim"
@@ -49,6 +51,39 @@ async def _check(url: str) -> int:
     print(f"{LIBRARY.name} as {status.mode.value}: {status.state.value}{others}")
     if status.state is not LibraryState.CURRENT:
         print(f"run: {PROG} load --url URL", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _dead_letters(url: str, keys: StreamKeys, count: int) -> int:
+    async with _client(url) as client:
+        total = await client.exists(keys.dead_letters) and await client.xlen(
+            keys.dead_letters
+        )
+        letters = await list_dead_letters(client, keys, count)
+    print(f"{total} dead letters in {keys.dead_letters}")
+    for letter in letters:
+        data = letter.fields.get(b"data", b"")
+        print(
+            f"{letter.id}  original {letter.original_id}  deliveries"
+            f" {letter.deliveries}  reason: {letter.reason}  {len(data)} bytes of data"
+        )
+    if total > len(letters):
+        print(f"... {total - len(letters)} more (--count)")
+    return 0
+
+
+async def _requeue(url: str, keys: StreamKeys, ids: list[str] | None) -> int:
+    async with _client(url) as client:
+        moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
+    for old, new in moved:
+        print(f"requeued {old} -> {keys.stream} {new}")
+    print(f"{len(moved)} requeued to {keys.stream}")
+    missing = sorted(set(ids or ()) - {old for old, _ in moved})
+    if missing:
+        print(
+            f"not dead letters of {keys.stream}: {', '.join(missing)}", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -119,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--url", required=True, help="redis:// or rediss:// URL")
 
+    def stream_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--url", required=True, help="redis:// or rediss:// URL")
+        command.add_argument("--queue", default="taskiq", help="stream (queue_name)")
+        command.add_argument("--group", default="taskiq", help="consumer group")
+
+    dead = commands.add_parser(
+        "dead-letters",
+        help="list the entries a consumer group gave up on",
+        description="List dead letters: entries delivered more than"
+        " max_deliveries times, or without a data field.",
+    )
+    stream_options(dead)
+    dead.add_argument("--count", type=_rounds, default=20, help="how many (1..100)")
+
+    requeue = commands.add_parser(
+        "requeue",
+        help="put dead letters back on their stream",
+        description="Re-add chosen dead letters (or all) to their stream as new"
+        " entries, atomically per batch.",
+    )
+    stream_options(requeue)
+    chosen = requeue.add_mutually_exclusive_group(required=True)
+    chosen.add_argument("--id", action="append", dest="ids", help="dead letter id")
+    chosen.add_argument("--all", action="store_true", help="every dead letter")
+
     drill = commands.add_parser(
         "drill",
         help="SIGKILL a worker mid-task and time the recovery",
@@ -137,14 +197,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "drill":
+        return _drill(args.url, args.rounds, args.broker)
+    if args.command == "load":
+        return asyncio.run(_load(args.url))
+    if args.command == "check":
+        return asyncio.run(_check(args.url))
+    keys = StreamKeys(args.queue, args.group)
+    if args.command == "requeue":
+        return asyncio.run(_requeue(args.url, keys, args.ids))
+    return asyncio.run(_dead_letters(args.url, keys, args.count))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "load":
-            return asyncio.run(_load(args.url))
-        if args.command == "check":
-            return asyncio.run(_check(args.url))
-        return _drill(args.url, args.rounds, args.broker)
+        return _run(args)
     except CommandError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
     except (RedisError, OSError) as error:

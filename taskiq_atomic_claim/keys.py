@@ -49,7 +49,13 @@ class StreamKeys:
     def cursor(self) -> str:
         return f"{PREFIX}:cursor:{slot_anchor(self.stream)}:{self.group}"
 
+    @property
+    def dead_letters(self) -> str:
+        """A stream (data, never expires) of entries the group gave up on."""
+        return f"{PREFIX}:dead:{slot_anchor(self.stream)}:{self.group}"
+
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
         slot = key_slot(self.stream.encode())
-        return all(key_slot(key.encode()) == slot for key in (self.lease, self.cursor))
+        keys = (self.lease, self.cursor, self.dead_letters)
+        return all(key_slot(key.encode()) == slot for key in keys)

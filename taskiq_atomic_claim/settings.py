@@ -8,6 +8,7 @@ from dataclasses import dataclass
 # call would block the server for a noticeable time.
 MAX_BATCH_SIZE = 10_000
 DEFAULT_CLAIM_INTERVAL_MS = 1_000
+DEFAULT_MAX_DELIVERIES = 5
 
 
 def require_positive_int(name: str, value: object, maximum: int | None = None) -> int:
@@ -36,6 +37,8 @@ class ClaimSettings:
     claim_interval: int
     batch_size: int
     lease: int
+    # 0: never dead-letter.
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES
 
     @classmethod
     def from_broker_arguments(
@@ -44,12 +47,14 @@ class ClaimSettings:
         claim_interval: object,
         unacknowledged_batch_size: object,
         unacknowledged_lock_timeout: object,
+        max_deliveries: object = DEFAULT_MAX_DELIVERIES,
     ) -> ClaimSettings:
         """Check the broker's arguments; every error names its parameter.
 
         ``unacknowledged_lock_timeout`` keeps the parent's unit (seconds) and
         meaning (how long the claim lock lives); unset, the lease lives one
-        claim interval, never forever.
+        claim interval, never forever. ``max_deliveries`` None never
+        dead-letters.
         """
         idle = require_positive_int("idle_timeout", idle_timeout)
         if idle < 2:
@@ -82,7 +87,12 @@ class ClaimSettings:
                     f" > 0, got {unacknowledged_lock_timeout!r}"
                 )
             lease = max(1, round(unacknowledged_lock_timeout * 1000))
-        return cls(idle, interval, batch, lease)
+        deliveries = (
+            0
+            if max_deliveries is None
+            else require_positive_int("max_deliveries", max_deliveries)
+        )
+        return cls(idle, interval, batch, lease, deliveries)
 
     @property
     def cursor_ttl(self) -> int:

@@ -1,0 +1,35 @@
+--[[
+  dead_letter: move one pending entry the broker cannot run (e.g. it has no
+  "data" field) to the dead-letter stream and ack it from the group.
+
+  KEYS[1]  stream                    data
+  KEYS[2]  dead-letter stream        data, never given an expiry
+
+  ARGV[1]  group
+  ARGV[2]  entry id
+  ARGV[3]  reason
+
+  Returns {dead_letter_id} when moved, {} when the entry was already gone
+  from the stream (then it is only acked, so it cannot come back).
+
+  Invariant: an entry leaves the PEL only together with its copy landing in
+  the dead-letter stream; nothing is acked without a record.
+]]
+
+--- @include "move_to_dead_letters"
+
+local stream, dead_letters = KEYS[1], KEYS[2]
+local group, id, reason = ARGV[1], ARGV[2], ARGV[3]
+
+local found = redis.call("XRANGE", stream, id, id)
+if #found == 0 then
+  redis.call("XACK", stream, group, id)
+  return {}
+end
+local pending = redis.call("XPENDING", stream, group, id, id, 1)
+local deliveries = 0
+if #pending == 1 then
+  deliveries = pending[1][4]
+end
+return {move_to_dead_letters(stream, dead_letters, group, id, found[1][2],
+  deliveries, reason)}

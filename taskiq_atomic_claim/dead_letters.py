@@ -1,0 +1,98 @@
+"""Dead letters: entries a consumer group gave up on, kept for people to decide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+
+METADATA_PREFIX = b"dead_letter_"
+REQUEUE_BATCH = 100
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    id: str
+    original_id: str
+    deliveries: int
+    reason: str
+    fields: dict[bytes, bytes]
+
+
+def _parse(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
+    return DeadLetter(
+        id=_text(entry_id),
+        original_id=_text(fields.get(b"dead_letter_id", b"")),
+        deliveries=int(fields.get(b"dead_letter_deliveries", b"0")),
+        reason=_text(fields.get(b"dead_letter_reason", b"")),
+        fields={k: v for k, v in fields.items() if not k.startswith(METADATA_PREFIX)},
+    )
+
+
+async def move_to_dead_letters(
+    runner: ScriptRunner,
+    client: ScriptClient,
+    keys: StreamKeys,
+    entry_id: str,
+    reason: str,
+) -> str | None:
+    """Move one pending entry and ack it; None if its data was already gone."""
+    reply = await runner.call(
+        client,
+        "dead_letter",
+        [keys.stream, keys.dead_letters],
+        [keys.group, entry_id, reason],
+    )
+    return _text(reply[0]) if reply else None
+
+
+async def list_dead_letters(
+    client: Any, keys: StreamKeys, count: int = 100
+) -> list[DeadLetter]:
+    entries = await client.xrange(keys.dead_letters, count=count)
+    return [_parse(entry_id, fields) for entry_id, fields in entries]
+
+
+async def requeue_dead_letters(
+    runner: ScriptRunner,
+    client: Any,
+    keys: StreamKeys,
+    ids: list[str] | None = None,
+) -> list[tuple[str, str]]:
+    """Re-add dead letters (all when ``ids`` is None) to their stream.
+
+    Returns (dead-letter id, new stream id) pairs. Each batch is one atomic
+    script call, so an entry is never both requeued and still dead, or neither.
+    """
+    moved: list[tuple[str, str]] = []
+    if ids is not None:
+        batches = [
+            ids[i : i + REQUEUE_BATCH] for i in range(0, len(ids), REQUEUE_BATCH)
+        ]
+        for batch in batches:
+            moved += await _requeue(runner, client, keys, batch)
+        return moved
+    # Bounded: each pass removes what it read, so the stream only shrinks.
+    for _ in range(1_000_000 // REQUEUE_BATCH):
+        entries = await client.xrange(keys.dead_letters, count=REQUEUE_BATCH)
+        if not entries:
+            break
+        moved += await _requeue(
+            runner, client, keys, [_text(entry_id) for entry_id, _ in entries]
+        )
+    return moved
+
+
+async def _requeue(
+    runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
+) -> list[tuple[str, str]]:
+    reply = await runner.call(
+        client, "requeue_dead_letters", [keys.dead_letters, keys.stream], list(ids)
+    )
+    return [(_text(old), _text(new)) for old, new in reply]

@@ -1,0 +1,208 @@
+"""AtomicRedisStreamBroker against real servers: the parent's behaviours and reclaim."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from taskiq import AckableMessage
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from tests.conftest import Server
+
+IDLE_MS, INTERVAL_MS = 400, 100
+
+
+def message(body: str, queue: str | None = None) -> BrokerMessage:
+    labels = {"queue_name": queue} if queue else {}
+    return BrokerMessage(
+        task_id=body, task_name="t", message=body.encode(), labels=labels
+    )
+
+
+@pytest.fixture
+async def make_broker(server: Server, redis: Redis) -> AsyncIterator[Any]:
+    started: list[AtomicRedisStreamBroker] = []
+
+    async def make(**kwargs: Any) -> AtomicRedisStreamBroker:
+        kwargs.setdefault("idle_timeout", IDLE_MS)
+        kwargs.setdefault("claim_interval", INTERVAL_MS)
+        kwargs.setdefault("xread_block", 200)
+        broker = AtomicRedisStreamBroker(server.url, **kwargs)
+        await broker.startup()
+        started.append(broker)
+        return broker
+
+    yield make
+    for broker in started:
+        await broker.shutdown()
+
+
+async def receive(
+    listener: AsyncGenerator[AckableMessage, None], timeout: float
+) -> AckableMessage | None:
+    try:
+        return await asyncio.wait_for(listener.__anext__(), timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+async def test_one_of_two_listeners_gets_a_message(make_broker: Any) -> None:
+    first = await make_broker(consumer_name="first")
+    second = await make_broker(consumer_name="second")
+    listeners = [first.listen(), second.listen()]
+    waits = [asyncio.ensure_future(listener.__anext__()) for listener in listeners]
+    await asyncio.sleep(0.1)
+    await first.kick(message("only-once"))
+    done, pending = await asyncio.wait(
+        waits, timeout=2, return_when=asyncio.FIRST_COMPLETED
+    )
+    assert len(done) == 1
+    received = done.pop().result()
+    assert received.data == b"only-once"
+    await received.ack()
+    # Acked at once, so the other listener has nothing to read or reclaim
+    # for longer than idle_timeout plus a claim cycle.
+    done, pending = await asyncio.wait(pending, timeout=(IDLE_MS + INTERVAL_MS) / 500)
+    assert not done
+    for listener_wait in pending:
+        listener_wait.cancel()
+
+
+async def test_maxlen_trims_the_stream(make_broker: Any, redis: Redis) -> None:
+    broker = await make_broker(maxlen=5, approximate=False)
+    for number in range(10):
+        await broker.kick(message(f"m{number}"))
+    assert await redis.xlen(broker.queue_name) == 5
+
+
+async def test_ack_removes_the_message_from_the_pel(
+    make_broker: Any, redis: Redis
+) -> None:
+    broker = await make_broker()
+    await broker.kick(message("ack-me"))
+    received = await receive(broker.listen(), 2)
+    assert received is not None
+    assert (await redis.xpending(broker.queue_name, "taskiq"))["pending"] == 1
+    await received.ack()
+    assert (await redis.xpending(broker.queue_name, "taskiq"))["pending"] == 0
+
+
+async def test_idle_queue_reclaims_a_dead_consumers_message(
+    make_broker: Any, redis: Redis
+) -> None:
+    dead = await make_broker(consumer_name="dead")
+    alive = await make_broker(consumer_name="alive")
+    await dead.kick(message("orphan"))
+    dead_listener = dead.listen()
+    assert await receive(dead_listener, 2) is not None
+    await dead_listener.aclose()  # dies without acking
+    delivered = time.monotonic()
+
+    reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
+    assert reclaimed is not None, "an idle queue must still reclaim"
+    assert reclaimed.data == b"orphan"
+    assert time.monotonic() - delivered >= IDLE_MS / 1000
+    await reclaimed.ack()
+    assert (await redis.xpending(alive.queue_name, "taskiq"))["pending"] == 0
+
+
+async def test_additional_streams_are_reclaimed_too(
+    make_broker: Any, redis: Redis
+) -> None:
+    streams = {"extra": ">"}
+    dead = await make_broker(consumer_name="dead", additional_streams=streams)
+    alive = await make_broker(consumer_name="alive", additional_streams=streams)
+    await dead.kick(message("side", queue="extra"))
+    dead_listener = dead.listen()
+    assert await receive(dead_listener, 2) is not None
+    await dead_listener.aclose()
+
+    reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
+    assert reclaimed is not None
+    assert reclaimed.data == b"side"
+    await reclaimed.ack()
+    assert (await redis.xpending("extra", "taskiq"))["pending"] == 0
+
+
+async def test_a_leftover_taskiq_redis_lock_does_not_block_reclaim(
+    make_broker: Any, redis: Redis, planted_keys: set[str]
+) -> None:
+    # What taskiq-redis 1.1.2 leaves when killed inside its autoclaim lock.
+    legacy = "autoclaim:taskiq:taskiq"
+    await redis.set(legacy, "token-of-a-dead-worker")
+    planted_keys.add(legacy)
+    dead = await make_broker(consumer_name="dead")
+    alive = await make_broker(consumer_name="alive")
+    await dead.kick(message("still-recovered"))
+    dead_listener = dead.listen()
+    assert await receive(dead_listener, 2) is not None
+    await dead_listener.aclose()
+
+    reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
+    assert reclaimed is not None
+    assert reclaimed.data == b"still-recovered"
+    await reclaimed.ack()
+    assert await redis.pttl(legacy) == -1, "a foreign key is left as it was"
+
+
+async def test_busy_worker_keeps_its_message_until_idle_timeout(
+    make_broker: Any,
+) -> None:
+    owner = await make_broker(consumer_name="owner", idle_timeout=5_000)
+    other = await make_broker(consumer_name="other", idle_timeout=5_000)
+    await owner.kick(message("mine"))
+    received = await receive(owner.listen(), 2)
+    assert received is not None
+    assert await receive(other.listen(), 1.0) is None
+    await received.ack()
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("idle_timeout", 0),
+        ("idle_timeout", -5),
+        ("idle_timeout", 1.5),
+        ("claim_interval", 0),
+        ("claim_interval", 400),
+        ("claim_interval", 10_000),
+        ("unacknowledged_batch_size", 0),
+        ("unacknowledged_batch_size", 10_001),
+        ("unacknowledged_lock_timeout", 0),
+        ("unacknowledged_lock_timeout", -1.0),
+        ("unacknowledged_lock_timeout", float("nan")),
+        ("xread_block", -1),
+        ("xread_count", 0),
+        ("maxlen", 0),
+        ("queue_name", ""),
+        ("consumer_group_name", ""),
+        ("consumer_name", ""),
+        ("additional_streams", ["extra"]),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_parameter(
+    argument: str, value: object
+) -> None:
+    kwargs: dict[str, Any] = {"idle_timeout": IDLE_MS, argument: value}
+    with pytest.raises(ValueError, match=argument):
+        AtomicRedisStreamBroker("redis://127.0.0.1:1", **kwargs)
+
+
+def test_defaults_follow_the_parent() -> None:
+    broker = AtomicRedisStreamBroker("redis://127.0.0.1:1")
+    assert broker.idle_timeout == 600_000
+    assert broker.claim_interval == 1_000
+    assert broker.claim_settings.lease == 1_000
+    assert broker.unacknowledged_batch_size == 100
+    short = AtomicRedisStreamBroker("redis://127.0.0.1:1", idle_timeout=1_000)
+    assert short.claim_interval == 500
+    lock = AtomicRedisStreamBroker(
+        "redis://127.0.0.1:1", unacknowledged_lock_timeout=2.5
+    )
+    assert lock.claim_settings.lease == 2_500

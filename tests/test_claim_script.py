@@ -1,0 +1,218 @@
+"""Semantics of lua/claim.lua on every server the suite found."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+
+STREAM, GROUP = "jobs", "workers"
+KEYS = StreamKeys(STREAM, GROUP)
+
+
+def settings(
+    idle_timeout: int = 20, batch: int = 100, lease_s: float | None = None
+) -> ClaimSettings:
+    return ClaimSettings.from_broker_arguments(
+        idle_timeout=idle_timeout,
+        claim_interval=None,
+        unacknowledged_batch_size=batch,
+        unacknowledged_lock_timeout=lease_s,
+    )
+
+
+async def pending_for(redis: Redis, consumer: str, count: int = 10) -> list[bytes]:
+    """Entries ``consumer`` read and never acked, as a crashed worker leaves them."""
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for number in range(count):
+        await redis.xadd(STREAM, {"data": f"task-{number}"})
+    reply = await redis.xreadgroup(GROUP, consumer, {STREAM: ">"}, count=count)
+    return [entry_id for entry_id, _ in reply[0][1]]
+
+
+async def claim(
+    redis: Redis, consumer: str, claim_settings: ClaimSettings, runner: ScriptRunner
+) -> ClaimOutcome:
+    return await claim_idle_entries(runner, redis, KEYS, consumer, claim_settings)
+
+
+async def owner_of(redis: Redis, entry_id: bytes) -> str:
+    [entry] = await redis.xpending_range(STREAM, GROUP, entry_id, entry_id, 1)
+    return entry["consumer"].decode()
+
+
+async def test_idle_entries_move_to_the_claimer(redis: Redis) -> None:
+    ids = await pending_for(redis, "dead", 3)
+    await asyncio.sleep(0.05)
+    outcome = await claim(redis, "alive", settings(), ScriptRunner())
+    assert not outcome.skipped
+    assert [entry.id.encode() for entry in outcome.entries] == ids
+    assert [entry.fields[b"data"] for entry in outcome.entries] == [
+        b"task-0",
+        b"task-1",
+        b"task-2",
+    ]
+    assert [await owner_of(redis, entry_id) for entry_id in ids] == ["alive"] * 3
+    assert outcome.trimmed == []
+
+
+async def test_entries_not_idle_long_enough_stay(redis: Redis) -> None:
+    ids = await pending_for(redis, "busy", 2)
+    outcome = await claim(redis, "alive", settings(idle_timeout=60_000), ScriptRunner())
+    assert not outcome.skipped
+    assert outcome.entries == []
+    assert [await owner_of(redis, entry_id) for entry_id in ids] == ["busy"] * 2
+
+
+async def test_count_bounds_one_claim(redis: Redis) -> None:
+    await pending_for(redis, "dead", 5)
+    await asyncio.sleep(0.05)
+    outcome = await claim(redis, "alive", settings(batch=2), ScriptRunner())
+    assert len(outcome.entries) == 2
+
+
+async def test_other_consumers_skip_while_lease_is_held(redis: Redis) -> None:
+    await pending_for(redis, "dead", 2)
+    await asyncio.sleep(0.05)
+    runner, lease = ScriptRunner(), settings(lease_s=30)
+    first = await claim(redis, "a", lease, runner)
+    second = await claim(redis, "b", lease, runner)
+    assert len(first.entries) == 2
+    assert second.skipped
+    assert second.lease_holder == "a"
+    assert second.lease_ttl_ms is not None
+    assert 0 < second.lease_ttl_ms <= 30_000
+
+
+async def test_the_holder_claims_again_and_renews(redis: Redis) -> None:
+    await pending_for(redis, "dead", 1)
+    runner, lease = ScriptRunner(), settings(lease_s=30)
+    await claim(redis, "a", lease, runner)
+    await redis.pexpire(KEYS.lease, 100)
+    again = await claim(redis, "a", lease, runner)
+    assert not again.skipped
+    assert await redis.pttl(KEYS.lease) > 20_000
+
+
+async def test_lease_expires_and_another_consumer_claims(redis: Redis) -> None:
+    await pending_for(redis, "dead", 1)
+    runner, lease = ScriptRunner(), settings(idle_timeout=20, lease_s=0.1)
+    taken = await claim(redis, "a", lease, runner)
+    assert not taken.skipped
+    assert (await claim(redis, "b", lease, runner)).skipped
+    await asyncio.sleep(0.15)
+    after = await claim(redis, "b", lease, runner)
+    assert not after.skipped
+    assert await redis.get(KEYS.lease) == b"b"
+
+
+async def test_a_lease_written_without_expiry_gets_one(redis: Redis) -> None:
+    await pending_for(redis, "dead", 1)
+    await redis.set(KEYS.lease, "someone-else")
+    outcome = await claim(redis, "a", settings(lease_s=0.2), ScriptRunner())
+    assert outcome.skipped
+    assert outcome.lease_holder == "someone-else"
+    assert 0 < await redis.pttl(KEYS.lease) <= 200
+    await asyncio.sleep(0.25)
+    assert not (await claim(redis, "a", settings(lease_s=0.2), ScriptRunner())).skipped
+
+
+async def test_cursor_reaches_entries_beyond_count_times_ten(redis: Redis) -> None:
+    # XAUTOCLAIM scans COUNT*10 PEL entries per call. With COUNT 2 the first
+    # 50 busy entries hide the 10 idle ones behind them unless the scan
+    # resumes where the last call stopped.
+    ids = await pending_for(redis, "dead", 60)
+    await asyncio.sleep(1.1)
+    await redis.xclaim(STREAM, GROUP, "busy", 0, ids[:50], justid=True)
+    runner, claim_settings = ScriptRunner(), settings(idle_timeout=1000, batch=2)
+
+    claimed: list[str] = []
+    cursors = []
+    for _ in range(10):
+        outcome = await claim(redis, "alive", claim_settings, runner)
+        claimed += [entry.id for entry in outcome.entries]
+        cursors.append(outcome.next_cursor)
+        if outcome.next_cursor != "0-0":
+            assert 0 < await redis.pttl(KEYS.cursor) <= claim_settings.cursor_ttl
+    assert sorted(claimed) == sorted(entry_id.decode() for entry_id in ids[50:])
+    assert cursors[0] == ids[20].decode()
+
+
+async def test_cursor_restarts_at_the_start_after_a_full_pass(redis: Redis) -> None:
+    await pending_for(redis, "dead", 3)
+    await asyncio.sleep(0.05)
+    outcome = await claim(redis, "alive", settings(), ScriptRunner())
+    assert outcome.next_cursor == "0-0"
+    assert await redis.exists(KEYS.cursor) == 0
+
+
+async def test_trimmed_entries_leave_the_pel_and_are_reported(redis: Redis) -> None:
+    ids = await pending_for(redis, "dead", 4)
+    await redis.xdel(STREAM, ids[1])
+    await redis.xtrim(STREAM, minid=ids[3].decode(), approximate=False)
+    await asyncio.sleep(0.05)
+    outcome = await claim(redis, "alive", settings(), ScriptRunner())
+    assert [entry.id.encode() for entry in outcome.entries] == [ids[3]]
+    assert sorted(outcome.trimmed) == sorted(i.decode() for i in ids[:3])
+    summary = await redis.xpending(STREAM, GROUP)
+    assert summary["pending"] == 1
+
+
+async def test_trimmed_entries_leave_the_pel_when_the_scan_is_partial(
+    redis: Redis,
+) -> None:
+    ids = await pending_for(redis, "dead", 30)
+    await redis.xtrim(STREAM, minid=ids[25].decode(), approximate=False)
+    await asyncio.sleep(0.05)
+    runner, claim_settings = ScriptRunner(), settings(batch=1)
+    trimmed: list[str] = []
+    # 7.x drops vanished entries without counting them against COUNT; 6.2
+    # claims them one COUNT at a time. Both must get through in bounded calls.
+    for _ in range(40):
+        outcome = await claim(redis, "alive", claim_settings, runner)
+        trimmed += outcome.trimmed
+        if outcome.entries:
+            break
+    assert sorted(trimmed) == sorted(i.decode() for i in ids[:25])
+    assert (await redis.xpending(STREAM, GROUP))["pending"] == 5
+
+
+async def test_missing_group_is_an_error_and_takes_no_lease(redis: Redis) -> None:
+    await redis.xadd(STREAM, {"data": "x"})
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await claim(redis, "alive", settings(), ScriptRunner())
+    assert await redis.exists(KEYS.lease) == 0
+
+
+async def test_flushed_scripts_are_reloaded_once(redis: Redis) -> None:
+    await pending_for(redis, "dead", 1)
+    await asyncio.sleep(0.05)
+    runner = ScriptRunner()
+    mode = await runner.load(redis)
+    if mode is LoadMode.FUNCTIONS:
+        await redis.execute_command("FUNCTION", "FLUSH")
+    else:
+        await redis.execute_command("SCRIPT", "FLUSH")
+    outcome = await claim(redis, "alive", settings(), runner)
+    assert len(outcome.entries) == 1
+    assert runner.reloads == 1
+    await claim(redis, "alive", settings(), runner)
+    assert runner.reloads == 1
+
+
+async def test_never_loaded_scripts_load_on_first_call(redis: Redis) -> None:
+    await redis.execute_command("SCRIPT", "FLUSH")
+    runner = ScriptRunner()
+    if await runner.mode(redis) is LoadMode.FUNCTIONS:
+        await redis.execute_command("FUNCTION", "FLUSH")
+    await pending_for(redis, "dead", 1)
+    outcome = await claim(redis, "alive", settings(idle_timeout=60_000), runner)
+    assert not outcome.skipped
+    assert runner.reloads == 1

@@ -1,0 +1,23 @@
+"""Which servers the suite runs on, and that CI covers the ones it must."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import _BINARIES, DOCKER_UNREACHABLE
+
+
+def test_testcontainers_redis_when_docker_answers() -> None:
+    # The container itself is one of the `server` fixture's params; this test
+    # only says, once, why that param is absent.
+    if DOCKER_UNREACHABLE is not None:
+        pytest.skip(f"testcontainers server not used: {DOCKER_UNREACHABLE}")
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI requirement only")
+def test_ci_covers_redis_62_70_and_valkey_81() -> None:
+    found = set(_BINARIES)
+    required = {"redis-6.2.14", "redis-7.0.15", "valkey-8.1.8"}
+    assert required <= found, f"servers found: {sorted(found)}"
