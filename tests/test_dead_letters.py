@@ -1,0 +1,120 @@
+"""Poison and data-less entries go to the dead letters; requeue brings them back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+from tests.conftest import Server
+
+STREAM, GROUP = "jobs", "workers"
+KEYS = StreamKeys(STREAM, GROUP)
+
+
+def settings(max_deliveries: int | None) -> ClaimSettings:
+    return ClaimSettings.from_broker_arguments(
+        idle_timeout=20,
+        claim_interval=None,
+        unacknowledged_batch_size=100,
+        unacknowledged_lock_timeout=None,
+        max_deliveries=max_deliveries,
+    )
+
+
+async def test_entry_delivered_too_often_is_dead_lettered_atomically(
+    redis: Redis,
+) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    poison = (await redis.xadd(STREAM, {"data": b"\x00poison"})).decode()
+    await redis.xreadgroup(GROUP, "victim-0", {STREAM: ">"})
+    runner = ScriptRunner()
+    # Delivery 1 was the read; claims 2 and 3 are within max_deliveries=3.
+    for victim in (1, 2):
+        await asyncio.sleep(0.03)
+        outcome = await claim_idle_entries(
+            runner, redis, KEYS, f"victim-{victim}", settings(3)
+        )
+        assert [entry.id for entry in outcome.entries] == [poison]
+    await asyncio.sleep(0.03)
+    outcome = await claim_idle_entries(runner, redis, KEYS, "victim-3", settings(3))
+    assert outcome.entries == []
+    assert outcome.dead_lettered == [poison]
+    assert (await redis.xpending(STREAM, GROUP))["pending"] == 0
+    assert await redis.xlen(STREAM) == 1, "the original stays for other groups"
+    [dead] = await list_dead_letters(redis, KEYS)
+    assert dead.original_id == poison
+    assert dead.deliveries == 4
+    assert dead.reason == "max_deliveries exceeded"
+    assert dead.fields == {b"data": b"\x00poison"}
+    assert await redis.pttl(KEYS.dead_letters) == -1, "dead letters are data"
+
+
+async def test_without_max_deliveries_nothing_is_dead_lettered(redis: Redis) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    await redis.xadd(STREAM, {"data": "x"})
+    await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
+    runner = ScriptRunner()
+    for _ in range(8):
+        await asyncio.sleep(0.03)
+        outcome = await claim_idle_entries(runner, redis, KEYS, "c", settings(None))
+        assert len(outcome.entries) == 1
+    assert await redis.exists(KEYS.dead_letters) == 0
+
+
+async def test_requeue_puts_dead_letters_back_on_their_stream(redis: Redis) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for number in range(3):
+        await redis.xadd(
+            KEYS.dead_letters,
+            {
+                "data": f"task-{number}",
+                "dead_letter_stream": STREAM,
+                "dead_letter_id": f"1-{number}",
+                "dead_letter_reason": "test",
+            },
+        )
+    dead = await list_dead_letters(redis, KEYS)
+    runner = ScriptRunner()
+    moved = await requeue_dead_letters(runner, redis, KEYS, [dead[1].id, "9-9"])
+    assert [old for old, _ in moved] == [dead[1].id]
+    [(_, fields)] = await redis.xrange(STREAM)
+    assert fields == {b"data": b"task-1"}
+    rest = await requeue_dead_letters(runner, redis, KEYS)
+    assert len(rest) == 2
+    assert await redis.xlen(KEYS.dead_letters) == 0
+    assert await redis.xlen(STREAM) == 3
+    # Requeued entries are new messages the group reads normally.
+    reply = await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
+    assert len(reply[0][1]) == 3
+
+
+async def test_broker_dead_letters_entries_without_data(
+    server: Server, redis: Redis
+) -> None:
+    broker = AtomicRedisStreamBroker(
+        server.url, idle_timeout=500, claim_interval=100, xread_block=200
+    )
+    await broker.startup()
+    try:
+        await redis.xadd("taskiq", {"written-by": "someone else"})
+        await broker.kick(
+            BrokerMessage(task_id="1", task_name="t", message=b"real", labels={})
+        )
+        received = await asyncio.wait_for(broker.listen().__anext__(), 3)
+        assert received.data == b"real", "the bad entry did not stop listen()"
+        await received.ack()
+        keys = StreamKeys("taskiq", "taskiq")
+        [dead] = await list_dead_letters(redis, keys)
+        assert dead.reason == "no data field"
+        assert dead.fields == {b"written-by": b"someone else"}
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
