@@ -1,0 +1,160 @@
+"""The setup command against real servers, run as users run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from redis.asyncio import Redis
+
+from taskiq_atomic_claim.embedded_server import free_port
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
+from tests.conftest import Server
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_check_fails_until_load_then_passes(server: Server, redis: Redis) -> None:
+    await redis.execute_command("SCRIPT", "FLUSH")
+    if server.major >= 7:
+        await redis.execute_command("FUNCTION", "FLUSH")
+    missing = cli("check", "--url", server.url)
+    assert missing.returncode == 1
+    assert "missing" in missing.stdout
+
+    loaded = cli("load", "--url", server.url)
+    assert loaded.returncode == 0, loaded.stderr
+    assert LIBRARY.name in loaded.stdout
+    again = cli("load", "--url", server.url)
+    assert again.returncode == 0, again.stderr
+
+    current = cli("check", "--url", server.url)
+    assert current.returncode == 0, current.stdout + current.stderr
+    assert "current" in current.stdout
+
+
+async def test_check_reports_an_older_library_as_outdated(
+    server: Server, redis: Redis
+) -> None:
+    runner = ScriptRunner()
+    if await runner.mode(redis) is not LoadMode.FUNCTIONS:
+        return  # scripts have no names to be outdated by; covered above
+    await redis.execute_command("FUNCTION", "FLUSH")
+    await redis.execute_command(
+        "FUNCTION",
+        "LOAD",
+        "#!lua name=taskiq_atomic_claim_000000000000\n"
+        "redis.register_function('tac_000000000000_claim', function() return 1 end)",
+    )
+    status = await runner.status(redis)
+    assert status.state is LibraryState.OUTDATED
+    assert status.other_versions == ("taskiq_atomic_claim_000000000000",)
+    result = cli("check", "--url", server.url)
+    assert result.returncode == 1
+    assert "outdated" in result.stdout
+    assert "taskiq_atomic_claim_000000000000" in result.stdout
+    await runner.load(redis)
+    assert (await runner.status(redis)).state is LibraryState.CURRENT
+    await redis.execute_command("FUNCTION", "FLUSH")
+
+
+def test_bad_url_is_one_line_and_non_zero() -> None:
+    result = cli("load", "--url", "http://nowhere")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "bad --url" in result.stderr
+
+
+def test_unreachable_server_is_one_line_and_non_zero() -> None:
+    result = cli("check", "--url", f"redis://127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "ConnectionError" in result.stderr
+
+
+def test_help_names_every_command() -> None:
+    result = cli("--help")
+    assert result.returncode == 0
+    for command in ("load", "check", "drill"):
+        assert command in result.stdout
+
+
+def test_missing_url_is_a_usage_error() -> None:
+    result = cli("load")
+    assert result.returncode == 2
+    assert "--url" in result.stderr
+
+
+async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) -> None:
+    keys = StreamKeys("jobs", "workers")
+    ids = [
+        (
+            await redis.xadd(
+                keys.dead_letters,
+                {
+                    "data": f"t{n}",
+                    "dead_letter_id": f"1-{n}",
+                    "dead_letter_deliveries": "6",
+                    "dead_letter_reason": "max_deliveries exceeded",
+                },
+            )
+        ).decode()
+        for n in range(3)
+    ]
+    listed = cli(
+        "dead-letters", "--url", server.url, "--queue", "jobs", "--group", "workers"
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "3 dead letters" in listed.stdout
+    assert all(entry_id in listed.stdout for entry_id in ids)
+
+    one = cli(
+        "requeue",
+        "--url",
+        server.url,
+        "--queue",
+        "jobs",
+        "--group",
+        "workers",
+        "--id",
+        ids[0],
+    )
+    assert one.returncode == 0, one.stderr
+    assert await redis.xlen("jobs") == 1
+    unknown = cli(
+        "requeue",
+        "--url",
+        server.url,
+        "--queue",
+        "jobs",
+        "--group",
+        "workers",
+        "--id",
+        "5-5",
+    )
+    assert unknown.returncode == 1
+    assert "5-5" in unknown.stderr
+    rest = cli(
+        "requeue", "--url", server.url, "--queue", "jobs", "--group", "workers", "--all"
+    )
+    assert rest.returncode == 0, rest.stderr
+    assert "2 requeued" in rest.stdout
+    assert await redis.xlen("jobs") == 3
+    assert await redis.xlen(keys.dead_letters) == 0
+
+
+def test_requeue_needs_ids_or_all() -> None:
+    result = cli("requeue", "--url", "redis://127.0.0.1:1")
+    assert result.returncode == 2
+    assert "--id" in result.stderr
