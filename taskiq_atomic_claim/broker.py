@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import AsyncGenerator
+import contextlib
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from taskiq import AckableMessage
 from taskiq_redis import RedisStreamBroker
 
-from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
-from taskiq_atomic_claim.dead_letters import move_to_dead_letters
-from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.reclaiming import ReclaimingListener
 from taskiq_atomic_claim.settings import (
     DEFAULT_MAX_DELIVERIES,
     ClaimSettings,
@@ -25,12 +16,8 @@ from taskiq_atomic_claim.settings import (
     require_positive_int,
 )
 
-logger = logging.getLogger("taskiq.atomic_claim")
 
-_DATA_FIELD = b"data"
-
-
-class AtomicRedisStreamBroker(RedisStreamBroker):
+class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     """A drop-in ``RedisStreamBroker`` whose reclaim runs on its own schedule.
 
     Every ``claim_interval`` ms, whether or not new messages arrive, each
@@ -72,7 +59,7 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
             (worker crashes included) goes to the dead-letter stream instead
             of crash-looping the fleet; None never gives up.
         """
-        self.claim_settings = ClaimSettings.from_broker_arguments(
+        claim_settings = ClaimSettings.from_broker_arguments(
             idle_timeout=idle_timeout,
             claim_interval=claim_interval,
             unacknowledged_batch_size=unacknowledged_batch_size,
@@ -106,129 +93,15 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
             additional_streams=additional_streams,
             **connection_kwargs,
         )
-        self.claim_interval = self.claim_settings.claim_interval
-        self.scripts = ScriptRunner()
+        self._init_reclaim(claim_settings)
 
-    @property
-    def streams(self) -> list[str]:
-        return [self.queue_name, *self.additional_streams]
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
+        return Redis(connection_pool=self.connection_pool)
 
-    async def claim(self, redis_conn: Redis, stream: str) -> ClaimOutcome:
-        """One claim cycle for one stream: one script call, one round trip."""
-        outcome = await claim_idle_entries(
-            self.scripts,
-            redis_conn,
-            StreamKeys(stream, self.consumer_group_name),
-            self.consumer_name,
-            self.claim_settings,
-        )
-        if outcome.trimmed:
-            logger.warning(
-                "%d pending entries of stream %r were trimmed before anyone acked"
-                " them; their tasks are lost: %s",
-                len(outcome.trimmed),
-                stream,
-                ", ".join(outcome.trimmed),
-            )
-        if outcome.dead_lettered:
-            logger.error(
-                "%d entries of stream %r were delivered more than %d times and"
-                " moved to dead letters %r: %s",
-                len(outcome.dead_lettered),
-                stream,
-                self.claim_settings.max_deliveries,
-                StreamKeys(stream, self.consumer_group_name).dead_letters,
-                ", ".join(outcome.dead_lettered),
-            )
-        if outcome.entries:
-            logger.debug(
-                "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
-            )
-        return outcome
-
-    async def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        """Yield new messages and, every claim interval, reclaimed ones."""
-        interval = self.claim_settings.claim_interval / 1000
-        read_from = {self.queue_name: ">", **self.additional_streams}
-        next_claim = time.monotonic()
-        outage_started: float | None = None
-        backoff = 0.05
-        async with Redis(connection_pool=self.connection_pool) as redis_conn:
-            while True:
-                try:
-                    if time.monotonic() >= next_claim:
-                        next_claim = time.monotonic() + interval
-                        for stream in self.streams:
-                            outcome = await self.claim(redis_conn, stream)
-                            for entry in outcome.entries:
-                                message = await self._deliverable(
-                                    redis_conn, stream, entry.id, entry.fields
-                                )
-                                if message is not None:
-                                    yield message
-                    # Never block past the next claim: reclaim must not wait
-                    # for traffic.
-                    until_claim = max(1, int((next_claim - time.monotonic()) * 1000))
-                    block = min(self.block, until_claim) if self.block else until_claim
-                    fetched: Any = await redis_conn.xreadgroup(
-                        self.consumer_group_name,
-                        self.consumer_name,
-                        read_from,  # type: ignore[arg-type]
-                        block=block,
-                        count=self.count,
-                    )
-                except (RedisConnectionError, RedisTimeoutError, OSError) as error:
-                    if outage_started is None:
-                        outage_started = time.monotonic()
-                        logger.warning("Redis unreachable, retrying: %s", error)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                if outage_started is not None:
-                    logger.warning(
-                        "Redis reachable again after %.1f s",
-                        time.monotonic() - outage_started,
-                    )
-                    outage_started, backoff = None, 0.05
-                for stream, messages in fetched or []:
-                    for entry_id, fields in messages:
-                        message = await self._deliverable(
-                            redis_conn, stream, entry_id, fields
-                        )
-                        if message is not None:
-                            yield message
-
-    async def _deliverable(
-        self,
-        redis_conn: Redis,
-        stream: str | bytes,
-        entry_id: str | bytes,
-        fields: dict[Any, Any],
-    ) -> AckableMessage | None:
-        """The entry as a message, or None once an entry taskiq cannot run is
-        moved to the dead letters (written by something other than a broker)."""
-        stream_name = stream.decode() if isinstance(stream, bytes) else stream
-        message_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
-        if isinstance(data, str):
-            data = data.encode()
-        if not isinstance(data, bytes):
-            keys = StreamKeys(stream_name, self.consumer_group_name)
-            await move_to_dead_letters(
-                self.scripts, redis_conn, keys, message_id, "no data field"
-            )
-            logger.error(
-                "Entry %s of stream %r has no %r field; moved to dead letters %r",
-                message_id,
-                stream_name,
-                _DATA_FIELD.decode(),
-                keys.dead_letters,
-            )
-            return None
-        return AckableMessage(
-            data=data,
-            ack=self._ack_generator(id=message_id, queue_name=stream_name),
-        )
+    async def shutdown(self) -> None:
+        """Hand unacked deliveries back, then close the pool."""
+        await self.hand_back()
+        await super().shutdown()
 
 
 def _check_stream_arguments(

@@ -43,6 +43,12 @@ async def make_broker(server: Server, redis: Redis) -> AsyncIterator[Any]:
         await broker.shutdown()
 
 
+async def die(broker: AtomicRedisStreamBroker, listener: Any) -> None:
+    """What SIGKILL does in-process: no more reads, no more heartbeats, no ack."""
+    await listener.aclose()
+    await broker.stop_heartbeat()
+
+
 async def receive(
     listener: AsyncGenerator[AckableMessage, None], timeout: float
 ) -> AckableMessage | None:
@@ -101,7 +107,7 @@ async def test_idle_queue_reclaims_a_dead_consumers_message(
     await dead.kick(message("orphan"))
     dead_listener = dead.listen()
     assert await receive(dead_listener, 2) is not None
-    await dead_listener.aclose()  # dies without acking
+    await die(dead, dead_listener)
     delivered = time.monotonic()
 
     reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
@@ -121,7 +127,7 @@ async def test_additional_streams_are_reclaimed_too(
     await dead.kick(message("side", queue="extra"))
     dead_listener = dead.listen()
     assert await receive(dead_listener, 2) is not None
-    await dead_listener.aclose()
+    await die(dead, dead_listener)
 
     reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
     assert reclaimed is not None
@@ -142,7 +148,7 @@ async def test_a_leftover_taskiq_redis_lock_does_not_block_reclaim(
     await dead.kick(message("still-recovered"))
     dead_listener = dead.listen()
     assert await receive(dead_listener, 2) is not None
-    await dead_listener.aclose()
+    await die(dead, dead_listener)
 
     reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
     assert reclaimed is not None

@@ -1,0 +1,285 @@
+"""The listen loop every atomic broker shares: read, reclaim, heartbeat, hand back.
+
+A broker class mixes this in before its taskiq-redis parent and says how to
+get a client (``_connection``). Everything that talks to the server goes
+through the scripts in ``lua/`` or plain stream commands, so the same loop
+serves a standalone server, Sentinel and Cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from taskiq import AckableMessage
+
+from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+_DATA_FIELD = b"data"
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+_SET_IDLE_BATCH = 1000
+_MAX_BACKOFF_S = 5.0
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class _Outage:
+    """Capped exponential backoff, logged once per outage, not per attempt."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.started: float | None = None
+        self.delay = 0.05
+
+    async def failed(self, error: BaseException) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            logger.warning("%s: Redis unreachable, retrying: %s", self.what, error)
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, _MAX_BACKOFF_S)
+
+    def succeeded(self) -> None:
+        if self.started is not None:
+            logger.warning(
+                "%s: Redis reachable again after %.1f s",
+                self.what,
+                time.monotonic() - self.started,
+            )
+            self.started, self.delay = None, 0.05
+
+
+class ReclaimingListener:
+    """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
+
+    # Provided by the taskiq-redis parent class.
+    queue_name: str
+    consumer_group_name: str
+    consumer_name: str
+    additional_streams: dict[str, str | int]
+    block: int
+    count: int | None
+    if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
+
+        def _ack_generator(
+            self, id: str, queue_name: str
+        ) -> Callable[[], Awaitable[None]]: ...
+
+        async def _declare_consumer_group(self) -> None: ...
+
+    claim_settings: ClaimSettings
+    scripts: ScriptRunner
+
+    def _init_reclaim(self, claim_settings: ClaimSettings) -> None:
+        self.claim_settings = claim_settings
+        self.claim_interval = claim_settings.claim_interval
+        self.scripts = ScriptRunner()
+        # Delivered to this consumer and not yet acked, per stream: what the
+        # heartbeat keeps from being reclaimed, and what shutdown hands back.
+        self.in_flight: dict[str, set[str]] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        raise NotImplementedError
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.queue_name, *self.additional_streams]
+
+    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
+        """One claim cycle for one stream: one script call, one round trip."""
+        keys = StreamKeys(stream, self.consumer_group_name)
+        outcome = await claim_idle_entries(
+            self.scripts, client, keys, self.consumer_name, self.claim_settings
+        )
+        if outcome.trimmed:
+            logger.warning(
+                "%d pending entries of stream %r were trimmed before anyone acked"
+                " them; their tasks are lost: %s",
+                len(outcome.trimmed),
+                stream,
+                ", ".join(outcome.trimmed),
+            )
+        if outcome.dead_lettered:
+            logger.error(
+                "%d entries of stream %r were delivered more than %d times and"
+                " moved to dead letters %r: %s",
+                len(outcome.dead_lettered),
+                stream,
+                self.claim_settings.max_deliveries,
+                keys.dead_letters,
+                ", ".join(outcome.dead_lettered),
+            )
+        if outcome.entries:
+            logger.debug(
+                "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
+            )
+        return outcome
+
+    async def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        """Yield new messages and, every claim interval, reclaimed ones."""
+        self._start_heartbeat()
+        interval = self.claim_settings.claim_interval / 1000
+        read_from = {self.queue_name: ">", **self.additional_streams}
+        next_claim = time.monotonic()
+        outage = _Outage(f"consumer {self.consumer_name}")
+        async with self._connection() as client:
+            while True:
+                batch: list[tuple[str, str, dict[Any, Any]]] = []
+                try:
+                    if time.monotonic() >= next_claim:
+                        next_claim = time.monotonic() + interval
+                        for stream in self.streams:
+                            outcome = await self.claim(client, stream)
+                            batch += [(stream, e.id, e.fields) for e in outcome.entries]
+                    if not batch:
+                        # Never block past the next claim: reclaim must not
+                        # wait for traffic.
+                        until = max(1, int((next_claim - time.monotonic()) * 1000))
+                        block = min(self.block, until) if self.block else until
+                        fetched: Any = await client.xreadgroup(
+                            self.consumer_group_name,
+                            self.consumer_name,
+                            read_from,
+                            block=block,
+                            count=self.count,
+                        )
+                        for stream, entries in fetched or []:
+                            batch += [(_text(stream), _text(i), f) for i, f in entries]
+                except _UNREACHABLE as error:
+                    await outage.failed(error)
+                    continue
+                except ResponseError as error:
+                    if "NOGROUP" not in str(error):
+                        raise
+                    # Server restarted empty or the group was deleted.
+                    logger.warning(
+                        "Consumer group %r is gone (%s); recreating it",
+                        self.consumer_group_name,
+                        error,
+                    )
+                    await self._declare_consumer_group()
+                    continue
+                outage.succeeded()
+                for stream, entry_id in ((s, i) for s, i, _ in batch):
+                    self.in_flight.setdefault(stream, set()).add(entry_id)
+                for stream, entry_id, fields in batch:
+                    message = await self._deliverable(client, stream, entry_id, fields)
+                    if message is not None:
+                        yield message
+
+    async def _deliverable(
+        self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
+    ) -> AckableMessage | None:
+        """The entry as a message; None once an entry taskiq cannot run (no
+        ``data`` field: written by something else) is moved to dead letters."""
+        data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes):
+            keys = StreamKeys(stream, self.consumer_group_name)
+            await move_to_dead_letters(
+                self.scripts, client, keys, entry_id, "no data field"
+            )
+            self.in_flight.get(stream, set()).discard(entry_id)
+            logger.error(
+                "Entry %s of stream %r has no %r field; moved to dead letters %r",
+                entry_id,
+                stream,
+                _DATA_FIELD.decode(),
+                keys.dead_letters,
+            )
+            return None
+        return AckableMessage(data=data, ack=self._tracked_ack(stream, entry_id))
+
+    def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
+        ack = self._ack_generator(id=entry_id, queue_name=stream)
+
+        async def ack_and_forget() -> None:
+            await ack()
+            self.in_flight.get(stream, set()).discard(entry_id)
+
+        return ack_and_forget
+
+    # In-flight heartbeats.
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds: three heartbeats fit in one idle_timeout."""
+        return self.claim_settings.idle_timeout / 3000
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.create_task(
+                self._heartbeat_loop(), name=f"heartbeat {self.consumer_name}"
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        # A task of its own, not part of listen(): while every slot is busy
+        # the receiver stops pulling from listen(), and that is exactly when
+        # long tasks need their heartbeat.
+        outage = _Outage(f"heartbeat {self.consumer_name}")
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                async with self._connection() as client:
+                    await self.set_idle(client, 0)
+            except _UNREACHABLE as error:
+                await outage.failed(error)
+            else:
+                outage.succeeded()
+
+    async def set_idle(self, client: Any, idle_ms: int) -> None:
+        """Set the idle time of every in-flight entry this consumer still owns."""
+        for stream, ids in list(self.in_flight.items()):
+            pending = sorted(ids)
+            for start in range(0, len(pending), _SET_IDLE_BATCH):
+                chunk = pending[start : start + _SET_IDLE_BATCH]
+                lost = await self.scripts.call(
+                    client,
+                    "set_idle",
+                    [stream],
+                    [self.consumer_group_name, self.consumer_name, idle_ms, *chunk],
+                )
+                for entry_id in map(_text, lost):
+                    ids.discard(entry_id)
+
+    async def stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+
+    async def hand_back(self) -> int:
+        """Make every unacked delivery claimable at once (graceful shutdown).
+
+        taskiq drops deliveries it prefetched but never started; without this
+        they would wait out idle_timeout in the PEL.
+        """
+        await self.stop_heartbeat()
+        handed = sum(len(ids) for ids in self.in_flight.values())
+        if handed:
+            try:
+                async with self._connection() as client:
+                    await self.set_idle(client, self.claim_settings.idle_timeout)
+            except _UNREACHABLE as error:
+                logger.warning("Could not hand back %d entries: %s", handed, error)
+                return 0
+            logger.info("Handed back %d unacked deliveries", handed)
+        self.in_flight.clear()
+        return handed
