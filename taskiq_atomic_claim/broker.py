@@ -98,6 +98,10 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
         return Redis(connection_pool=self.connection_pool)
 
+    async def startup(self) -> None:
+        await super().startup()
+        await self.check_stream_types()
+
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the pool."""
         await self.hand_back()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,9 @@ def _taskiq_command() -> list[str]:
 class _Worker:
     """A ``taskiq worker`` process group, killed with the group."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, env: dict[str, str], log_path: Path, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
             [
@@ -94,6 +96,7 @@ class _Worker:
                 "0",
                 "--log-level",
                 "WARNING",
+                *extra_args,
             ],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -164,7 +167,7 @@ class _Drill:
     give_up_after: float
     log_dir: Path
 
-    def _worker(self, name: str) -> _Worker:
+    def _worker(self, name: str, *extra_args: str) -> _Worker:
         env = {
             **os.environ,
             "TAC_DRILL_URL": self.url,
@@ -174,7 +177,11 @@ class _Drill:
             "TAC_DRILL_BROKER": self.report.broker,
             "TAC_DRILL_WORKER": name,
         }
-        return _Worker(env, self.log_dir / f"{self.queue}-{name}.log")
+        return _Worker(env, self.log_dir / f"{self.queue}-{name}.log", extra_args)
+
+    async def kick(self, run_id: str, seconds: float) -> None:
+        kicker: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, self.kicker_broker, {})
+        await kicker.kiq(run_id, seconds)
 
     async def one_round(self, number: int) -> DrillRound:
         run_id = f"round-{number}"
@@ -188,10 +195,7 @@ class _Drill:
                 is None
             ):
                 raise RuntimeError(f"drill worker did not start; see {doomed.log.name}")
-            kicker: AsyncKicker[Any, Any] = AsyncKicker(
-                TASK_NAME, self.kicker_broker, {}
-            )
-            await kicker.kiq(run_id, 1.0)
+            await self.kick(run_id, 1.0)
             delivered = await self.events.wait_for(
                 "started", deadline, run_id, doomed_name
             )
@@ -214,6 +218,43 @@ class _Drill:
             return DrillRound(True, rerun - killed, rerun - delivered)
 
 
+@contextlib.asynccontextmanager
+async def drill_queue(
+    url: str,
+    idle_timeout: int,
+    claim_interval: int,
+    broker_kind: str = "atomic",
+    log_dir: Path | None = None,
+    give_up_after: float = 30.0,
+) -> AsyncIterator[_Drill]:
+    """A fresh queue for drill workers; its keys are deleted afterwards."""
+    queue = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
+    client = Redis.from_url(url)
+    drill = _Drill(
+        url=url,
+        queue=queue,
+        report=DrillReport(url, broker_kind, idle_timeout, claim_interval),
+        events=_Events(client, events_stream(queue)),
+        kicker_broker=build_broker(
+            url, queue, idle_timeout, claim_interval, broker_kind
+        ),
+        give_up_after=give_up_after,
+        log_dir=log_dir or Path(tempfile.gettempdir()),
+    )
+    try:
+        # The group must exist before the first kick: a worker's startup
+        # creates it at "$", which would skip a message sent just before.
+        await client.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        yield drill
+    finally:
+        keys = StreamKeys(queue, "taskiq")
+        await client.delete(
+            queue, drill.events.stream, keys.lease, keys.cursor, keys.dead_letters
+        )
+        await drill.kicker_broker.shutdown()
+        await client.aclose()
+
+
 async def run_drill(
     url: str,
     *,
@@ -230,35 +271,19 @@ async def run_drill(
     ``plant_legacy_lock`` first writes the no-expiry ``autoclaim:*`` key a
     taskiq-redis 1.1.2 worker killed inside its lock leaves behind.
     """
-    queue = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
-    client = Redis.from_url(url)
-    legacy_lock = f"autoclaim:taskiq:{queue}"
-    drill = _Drill(
-        url=url,
-        queue=queue,
-        report=DrillReport(url, broker_kind, idle_timeout, claim_interval),
-        events=_Events(client, events_stream(queue)),
-        kicker_broker=build_broker(
-            url, queue, idle_timeout, claim_interval, broker_kind
-        ),
-        give_up_after=give_up_after,
-        log_dir=log_dir or Path(tempfile.gettempdir()),
-    )
-    try:
-        # The group must exist before the first kick: a worker's startup
-        # creates it at "$", which would skip a message sent just before.
-        await client.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+    async with drill_queue(
+        url, idle_timeout, claim_interval, broker_kind, log_dir, give_up_after
+    ) as drill:
+        client = drill.events.client
+        legacy_lock = f"autoclaim:taskiq:{drill.queue}"
         if plant_legacy_lock:
             await client.set(legacy_lock, "killed-worker-token")
-        for number in range(rounds):
-            drill.report.rounds.append(await drill.one_round(number))
-    finally:
-        keys = StreamKeys(queue, "taskiq")
-        await client.delete(queue, drill.events.stream, keys.lease, keys.cursor)
-        if plant_legacy_lock:
-            await client.delete(legacy_lock)
-        await drill.kicker_broker.shutdown()
-        await client.aclose()
+        try:
+            for number in range(rounds):
+                drill.report.rounds.append(await drill.one_round(number))
+        finally:
+            if plant_legacy_lock:
+                await client.delete(legacy_lock)
     return drill.report
 
 

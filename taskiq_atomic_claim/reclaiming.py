@@ -38,6 +38,10 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class StreamTypeError(RuntimeError):
+    """A key the broker must read as a stream holds another type (WRONGTYPE)."""
+
+
 class _Outage:
     """Capped exponential backoff, logged once per outage, not per attempt."""
 
@@ -214,6 +218,17 @@ class ReclaimingListener:
             self.in_flight.get(stream, set()).discard(entry_id)
 
         return ack_and_forget
+
+    async def check_stream_types(self) -> None:
+        """Fail at startup, naming the key, if a stream key holds another type."""
+        async with self._connection() as client:
+            for stream in self.streams:
+                kind = _text(await client.type(stream))
+                if kind not in ("stream", "none"):
+                    raise StreamTypeError(
+                        f"key {stream!r} holds a {kind}, not a stream: pick another"
+                        " queue_name / additional_streams key or remove that key"
+                    )
 
     # In-flight heartbeats.
 

@@ -1,0 +1,229 @@
+"""Heartbeats, hand-back and server faults, each on real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.reclaiming import StreamTypeError
+from taskiq_atomic_claim.scripts import LoadMode
+from tests.conftest import Server
+from tests.test_broker import die, message, receive
+
+IDLE_MS, INTERVAL_MS = 600, 100
+
+
+async def started(server: Server, **kwargs: Any) -> AtomicRedisStreamBroker:
+    kwargs.setdefault("idle_timeout", IDLE_MS)
+    kwargs.setdefault("claim_interval", INTERVAL_MS)
+    kwargs.setdefault("xread_block", 200)
+    broker = AtomicRedisStreamBroker(server.url, **kwargs)
+    await broker.startup()
+    return broker
+
+
+async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
+    server: Server, redis: Redis
+) -> None:
+    owner = await started(server, consumer_name="owner")
+    rival = await started(server, consumer_name="rival")
+    try:
+        await owner.kick(message("long"))
+        task = await receive(owner.listen(), 2)
+        assert task is not None
+        # The rival claims every 100 ms for three idle_timeouts.
+        assert await receive(rival.listen(), 3 * IDLE_MS / 1000) is None
+        [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+        assert entry["consumer"] == b"owner"
+        assert entry["times_delivered"] == 1, "heartbeats must not count"
+        await task.ack()
+        assert owner.in_flight["taskiq"] == set()
+    finally:
+        await owner.shutdown()
+        await rival.shutdown()
+
+
+async def test_buffered_deliveries_are_heartbeated_too(
+    server: Server, redis: Redis
+) -> None:
+    # XREADGROUP hands over a batch; those not yet pulled are in flight too.
+    owner = await started(server, consumer_name="owner")
+    rival = await started(server, consumer_name="rival")
+    try:
+        for number in range(3):
+            await owner.kick(message(f"m{number}"))
+        listener = owner.listen()
+        first = await receive(listener, 2)
+        assert first is not None
+        assert len(owner.in_flight["taskiq"]) == 3
+        assert await receive(rival.listen(), 2 * IDLE_MS / 1000) is None
+    finally:
+        await owner.shutdown()
+        await rival.shutdown()
+
+
+async def test_shutdown_hands_unacked_deliveries_back_at_once(
+    server: Server, redis: Redis
+) -> None:
+    leaving = await started(server, consumer_name="leaving", idle_timeout=30_000)
+    staying = await started(server, consumer_name="staying", idle_timeout=30_000)
+    try:
+        for number in range(3):
+            await leaving.kick(message(f"m{number}"))
+        assert await receive(leaving.listen(), 2) is not None
+        assert await leaving.hand_back() == 3
+        begun = time.monotonic()
+        listener = staying.listen()
+        taken = [await receive(listener, 2) for _ in range(3)]
+        assert all(taken), "handed-back entries are claimable before idle_timeout"
+        assert time.monotonic() - begun < 30
+        for item in taken:
+            assert item is not None
+            await item.ack()
+        pending = await redis.xpending("taskiq", "taskiq")
+        assert pending["pending"] == 0
+    finally:
+        await leaving.shutdown()
+        await staying.shutdown()
+
+
+async def test_hand_back_leaves_entries_another_consumer_took(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server, consumer_name="slow")
+    try:
+        await broker.kick(message("contested"))
+        assert await receive(broker.listen(), 2) is not None
+        [entry_id] = broker.in_flight["taskiq"]
+        await broker.stop_heartbeat()
+        await redis.xclaim("taskiq", "taskiq", "thief", 0, [entry_id], justid=True)
+        await broker.hand_back()
+        [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+        assert entry["consumer"] == b"thief"
+        assert entry["time_since_delivered"] < IDLE_MS
+    finally:
+        await broker.shutdown()
+
+
+async def test_server_restart_without_persistence_mid_run(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    if server.local is None:
+        pytest.skip("needs a server this suite started")
+    broker = await started(server)
+    try:
+        listener = broker.listen()
+        await broker.kick(message("before"))
+        before = await receive(listener, 2)
+        assert before is not None
+        await before.ack()
+        caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
+        server.restart()  # scripts, functions, stream and group all gone
+        await redis.connection_pool.disconnect()  # the test's own client
+        nxt = asyncio.ensure_future(listener.__anext__())
+        for _ in range(100):  # the broker recreates the group; wait for it
+            if await redis.exists("taskiq") and await redis.xinfo_groups("taskiq"):
+                break
+            await asyncio.sleep(0.05)
+        await broker.kick(message("after"))
+        after = await asyncio.wait_for(nxt, 10)
+        assert after.data == b"after"
+        await after.ack()
+        gone = [r for r in caplog.records if "is gone" in r.getMessage()]
+        assert len(gone) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        await broker.shutdown()
+
+
+async def test_script_flush_mid_run_is_transparent(
+    server: Server, redis: Redis
+) -> None:
+    dead = await started(server, consumer_name="dead")
+    alive = await started(server, consumer_name="alive")
+    try:
+        listener = alive.listen()
+        await dead.kick(message("orphan"))
+        dead_listener = dead.listen()
+        assert await receive(dead_listener, 2) is not None
+        await die(dead, dead_listener)
+        await redis.execute_command("SCRIPT", "FLUSH")
+        if await alive.scripts.mode(redis) is LoadMode.FUNCTIONS:
+            await redis.execute_command("FUNCTION", "FLUSH")
+        reclaimed = await receive(listener, (IDLE_MS + INTERVAL_MS) / 1000 + 2)
+        assert reclaimed is not None
+        await reclaimed.ack()
+        assert alive.scripts.reloads >= 1
+    finally:
+        await dead.shutdown()
+        await alive.shutdown()
+
+
+async def test_killed_connections_do_not_end_listen(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server)
+    try:
+        listener = broker.listen()
+        nxt = asyncio.ensure_future(listener.__anext__())
+        await asyncio.sleep(0.3)
+        await redis.client_setname("test-admin")
+        for client in await redis.client_list():
+            if client["name"] != "test-admin":
+                await redis.client_kill_filter(_id=client["id"])
+        await broker.kick(message("after-kill"))
+        received = await asyncio.wait_for(nxt, 10)
+        assert received.data == b"after-kill"
+        await received.ack()
+    finally:
+        await broker.shutdown()
+
+
+async def test_an_outage_is_one_log_line_and_listen_survives(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    if server.local is None:
+        pytest.skip("needs a server this suite started")
+    broker = await started(server)
+    try:
+        listener = broker.listen()
+        nxt = asyncio.ensure_future(listener.__anext__())
+        await asyncio.sleep(0.2)
+        caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
+        server.local.stop()
+        await asyncio.sleep(1.5)
+        server.local.start()
+        await redis.connection_pool.disconnect()  # the test's own client
+        for _ in range(100):
+            if await redis.exists("taskiq") and await redis.xinfo_groups("taskiq"):
+                break
+            await asyncio.sleep(0.05)
+        await broker.kick(message("back"))
+        received = await asyncio.wait_for(nxt, 15)
+        assert received.data == b"back"
+        await received.ack()
+        lines = [r.getMessage() for r in caplog.records]
+        listen_outages = [
+            line for line in lines if "consumer" in line and "unreachable" in line
+        ]
+        assert len(listen_outages) == 1, lines
+        assert any("reachable again" in line for line in lines), lines
+    finally:
+        await broker.shutdown()
+
+
+async def test_a_stream_key_of_another_type_fails_startup_naming_it(
+    server: Server, redis: Redis
+) -> None:
+    await redis.set("taskiq", "not a stream", px=60_000)
+    broker = AtomicRedisStreamBroker(server.url, idle_timeout=IDLE_MS)
+    try:
+        with pytest.raises(StreamTypeError, match="'taskiq' holds a string"):
+            await broker.startup()
+    finally:
+        await broker.shutdown()
