@@ -23,6 +23,7 @@ from taskiq import AckableMessage
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -91,7 +92,10 @@ class ReclaimingListener:
     def _init_reclaim(self, claim_settings: ClaimSettings) -> None:
         self.claim_settings = claim_settings
         self.claim_interval = claim_settings.claim_interval
-        self.scripts = ScriptRunner()
+        self.metrics = ReclaimMetrics()
+        self.scripts = ScriptRunner(
+            on_reload=lambda: self.metrics.add("script_reloads", "*")
+        )
         # Delivered to this consumer and not yet acked, per stream: what the
         # heartbeat keeps from being reclaimed, and what shutdown hands back.
         self.in_flight: dict[str, set[str]] = {}
@@ -110,6 +114,11 @@ class ReclaimingListener:
         outcome = await claim_idle_entries(
             self.scripts, client, keys, self.consumer_name, self.claim_settings
         )
+        if outcome.skipped:
+            self.metrics.add("lease_skips", stream)
+        self.metrics.add("claimed", stream, len(outcome.entries))
+        self.metrics.add("trimmed", stream, len(outcome.trimmed))
+        self.metrics.add("dead_lettered", stream, len(outcome.dead_lettered))
         if outcome.trimmed:
             logger.warning(
                 "%d pending entries of stream %r were trimmed before anyone acked"
@@ -199,6 +208,7 @@ class ReclaimingListener:
             await move_to_dead_letters(
                 self.scripts, client, keys, entry_id, "no data field"
             )
+            self.metrics.add("dead_lettered", stream)
             self.in_flight.get(stream, set()).discard(entry_id)
             logger.error(
                 "Entry %s of stream %r has no %r field; moved to dead letters %r",
@@ -270,6 +280,8 @@ class ReclaimingListener:
                     [stream],
                     [self.consumer_group_name, self.consumer_name, idle_ms, *chunk],
                 )
+                if idle_ms == 0:
+                    self.metrics.add("heartbeats", stream)
                 for entry_id in map(_text, lost):
                     ids.discard(entry_id)
 
@@ -295,6 +307,8 @@ class ReclaimingListener:
             except _UNREACHABLE as error:
                 logger.warning("Could not hand back %d entries: %s", handed, error)
                 return 0
+            for stream, ids in self.in_flight.items():
+                self.metrics.add("handed_back", stream, len(ids))
             logger.info("Handed back %d unacked deliveries", handed)
         self.in_flight.clear()
         return handed

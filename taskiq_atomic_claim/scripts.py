@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from importlib import resources
@@ -155,9 +156,14 @@ class ScriptRunner:
     failover to a node that never had it) is loaded and the call retried once.
     """
 
-    def __init__(self, library: ScriptLibrary = LIBRARY) -> None:
+    def __init__(
+        self,
+        library: ScriptLibrary = LIBRARY,
+        on_reload: Callable[[], None] | None = None,
+    ) -> None:
         self.library = library
         self._mode: LoadMode | None = None
+        self._on_reload = on_reload
         self.reloads = 0
 
     async def mode(self, client: ScriptClient) -> LoadMode:
@@ -210,6 +216,8 @@ class ScriptRunner:
             if not _is_missing_function(error):
                 raise
         self.reloads += 1
+        if self._on_reload is not None:
+            self._on_reload()
         await self.load(client)
         return await self._invoke(client, operation, keys, args)
 

@@ -114,6 +114,7 @@ async def test_idle_queue_reclaims_a_dead_consumers_message(
     assert reclaimed is not None, "an idle queue must still reclaim"
     assert reclaimed.data == b"orphan"
     assert time.monotonic() - delivered >= IDLE_MS / 1000
+    assert alive.metrics.snapshot()["claimed"] == 1
     await reclaimed.ack()
     assert (await redis.xpending(alive.queue_name, "taskiq"))["pending"] == 0
 

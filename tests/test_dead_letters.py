@@ -116,5 +116,6 @@ async def test_broker_dead_letters_entries_without_data(
         assert dead.reason == "no data field"
         assert dead.fields == {b"written-by": b"someone else"}
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert broker.metrics.snapshot()["dead_lettered"] == 1
     finally:
         await broker.shutdown()

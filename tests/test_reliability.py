@@ -42,6 +42,7 @@ async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
         [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
         assert entry["consumer"] == b"owner"
         assert entry["times_delivered"] == 1, "heartbeats must not count"
+        assert owner.metrics.snapshot()["heartbeats"] >= 3
         await task.ack()
         assert owner.in_flight["taskiq"] == set()
     finally:
@@ -78,6 +79,7 @@ async def test_shutdown_hands_unacked_deliveries_back_at_once(
             await leaving.kick(message(f"m{number}"))
         assert await receive(leaving.listen(), 2) is not None
         assert await leaving.hand_back() == 3
+        assert leaving.metrics.snapshot()["handed_back"] == 3
         begun = time.monotonic()
         listener = staying.listen()
         taken = [await receive(listener, 2) for _ in range(3)]
@@ -159,6 +161,7 @@ async def test_script_flush_mid_run_is_transparent(
         assert reclaimed is not None
         await reclaimed.ack()
         assert alive.scripts.reloads >= 1
+        assert alive.metrics.snapshot()["script_reloads"] == alive.scripts.reloads
     finally:
         await dead.shutdown()
         await alive.shutdown()

@@ -1,0 +1,56 @@
+"""Counters of what reclaiming did, for logs, health checks and Prometheus.
+
+The counts live on each broker (``broker.metrics.snapshot()``). When
+``prometheus_client`` is installed the same counts also go to its default
+registry, labelled by stream: that is the registry taskiq's own
+``PrometheusMiddleware`` serves, so adding that middleware exports them with
+nothing else to set up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+COUNTERS = {
+    "claimed": "Idle entries reclaimed from other consumers",
+    "lease_skips": "Claim cycles skipped because another consumer held the lease",
+    "trimmed": "Pending entries found trimmed from their stream (data lost)",
+    "dead_lettered": "Entries moved to the dead-letter stream",
+    "heartbeats": "In-flight heartbeat calls sent",
+    "handed_back": "Unacked deliveries handed back at shutdown",
+    "script_reloads": "Scripts or function library reloaded after going missing",
+}
+
+_prometheus_counters: dict[str, Any] | None = None
+
+
+def _prometheus() -> dict[str, Any]:
+    """Created once per process: registering a name twice is an error."""
+    global _prometheus_counters  # noqa: PLW0603
+    if _prometheus_counters is None:
+        _prometheus_counters = {}
+        with contextlib.suppress(ImportError):
+            from prometheus_client import Counter  # noqa: PLC0415
+
+            for name, description in COUNTERS.items():
+                _prometheus_counters[name] = Counter(
+                    f"taskiq_atomic_claim_{name}", description, ["stream"]
+                )
+    return _prometheus_counters
+
+
+class ReclaimMetrics:
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, name: str, stream: str, amount: int = 1) -> None:
+        if amount <= 0:
+            return
+        self._counts[name] += amount
+        counter = _prometheus().get(name)
+        if counter is not None:
+            counter.labels(stream=stream).inc(amount)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._counts)
