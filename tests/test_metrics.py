@@ -1,4 +1,4 @@
-"""Reclaim counters reach prometheus_client's default registry (taskiq's middleware serves it)."""
+"""Reclaim counters reach the registry taskiq's PrometheusMiddleware serves."""
 
 from __future__ import annotations
 
