@@ -1,0 +1,186 @@
+"""How big each part of the run is (smoke, quick, full) and the claim settings.
+
+Every variant in a part gets the same server, data and settings. Settings
+are built from broker arguments, exactly as ``AtomicRedisStreamBroker``
+builds them, and the lock variants take their lock timeout from the same
+values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from taskiq_atomic_claim.settings import ClaimSettings
+
+# Child processes run ``python -m benchmarks.*`` from here.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# One idle entry, as big as a small taskiq message.
+PAYLOAD = (
+    b'{"task_id":"'
+    + b"0" * 32
+    + b'","task_name":"bench.work","args":'
+    + (b'["' + b"x" * 180 + b'"]}')
+)
+# Entries handed back between cycles look this long idle: far past any
+# idle_timeout used here except the "scan" workload's.
+AGED_IDLE_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class BrokerArguments:
+    """The broker's reclaim arguments, in its units; one set per experiment."""
+
+    idle_timeout: int
+    claim_interval: int
+    batch_size: int
+    lock_timeout_s: float | None = None
+    # False switches the project's dead lettering off (max_deliveries=None):
+    # the contention runs re-claim entries many times on purpose, and the lock
+    # variants have no such feature. True keeps the broker's default.
+    dead_letters: bool = True
+
+    def settings(self) -> ClaimSettings:
+        extra: dict[str, Any] = {}
+        if not self.dead_letters and _accepts("max_deliveries"):
+            extra["max_deliveries"] = None
+        return ClaimSettings.from_broker_arguments(
+            idle_timeout=self.idle_timeout,
+            claim_interval=self.claim_interval,
+            unacknowledged_batch_size=self.batch_size,
+            unacknowledged_lock_timeout=self.lock_timeout_s,
+            **extra,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "idle_timeout": self.idle_timeout,
+            "claim_interval": self.claim_interval,
+            "batch_size": self.batch_size,
+            "lock_timeout_s": self.lock_timeout_s,
+            "dead_letters": self.dead_letters,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BrokerArguments:
+        return cls(**data)
+
+
+def _accepts(parameter: str) -> bool:
+    return (
+        parameter in inspect.signature(ClaimSettings.from_broker_arguments).parameters
+    )
+
+
+# The claim-cycle and scale parts: a recovery cycle that always finds a full
+# batch of idle entries (see workload.py).
+CYCLE_ARGUMENTS = BrokerArguments(
+    idle_timeout=60_000, claim_interval=1_000, batch_size=10
+)
+# Nothing idle: the cycle a healthy broker runs every interval, a bounded
+# scan of the PEL that claims nothing.
+SCAN_ARGUMENTS = BrokerArguments(
+    idle_timeout=10 * AGED_IDLE_MS, claim_interval=1_000, batch_size=10
+)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One contention workload: claimers never ack, so entries idle out again."""
+
+    name: str
+    arguments: BrokerArguments
+    why: str
+
+
+REGIMES = (
+    Regime(
+        "lease_lt_idle",
+        BrokerArguments(
+            idle_timeout=200, claim_interval=100, batch_size=10, dead_letters=False
+        ),
+        "lease (= claim interval) shorter than idle_timeout, as the broker enforces"
+        " by default",
+    ),
+    Regime(
+        "lease_gt_idle",
+        BrokerArguments(
+            idle_timeout=100,
+            claim_interval=50,
+            batch_size=10,
+            lock_timeout_s=0.4,
+            dead_letters=False,
+        ),
+        "lease/lock timeout (400 ms) outlives idle_timeout (100 ms): entries idle"
+        " out again within one lease, so a second claimer can get them unless the"
+        " lease keeps them with its holder",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    rtts_ms: tuple[float, ...] = (0.0, 0.5, 2.0)
+    cycles: int = 2000
+    warmup: int = 100
+    count_cycles: int = 20
+    cpu_cycles: int = 5000
+    cycle_pending: int = 10_000
+    claimers: tuple[int, ...] = (1, 4, 16, 64)
+    # Regime name -> claimer counts it runs at; absent: all of ``claimers``.
+    regime_claimers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    contention_s: float = 3.0
+    contention_pending: int = 30_000
+    scale_sizes: tuple[int, ...] = (100, 10_000, 100_000)
+    scale_cycles: int = 1000
+    e2e_rounds: int = 20
+    e2e_give_up_s: float = 8.0
+    e2e_idle_timeout: int = 2000
+    e2e_claim_interval: int = 500
+    throughput_messages: int = 20_000
+    throughput_reps: int = 3
+
+    def claimers_for(self, regime: str) -> tuple[int, ...]:
+        return self.regime_claimers.get(regime, self.claimers)
+
+
+FULL = Mode("full")
+QUICK = Mode(
+    "quick",
+    cycles=300,
+    warmup=20,
+    cpu_cycles=1000,
+    regime_claimers={"lease_gt_idle": (16,)},
+    contention_s=0.6,
+    contention_pending=20_000,
+    scale_cycles=200,
+    e2e_rounds=2,
+    e2e_give_up_s=5.0,
+    throughput_messages=3000,
+    throughput_reps=2,
+)
+# For the test suite: every part, briefly; figures are not meaningful.
+SMOKE = Mode(
+    "smoke",
+    rtts_ms=(0.0, 2.0),
+    cycles=40,
+    warmup=5,
+    count_cycles=5,
+    cpu_cycles=100,
+    cycle_pending=1000,
+    claimers=(1, 4),
+    regime_claimers={"lease_gt_idle": (4,)},
+    contention_s=0.3,
+    contention_pending=5000,
+    scale_sizes=(100, 10_000),
+    scale_cycles=30,
+    e2e_rounds=1,
+    e2e_give_up_s=5.0,
+    throughput_messages=300,
+    throughput_reps=1,
+)
+MODES = {mode.name: mode for mode in (FULL, QUICK, SMOKE)}

@@ -1,0 +1,74 @@
+"""Timing claim cycles: interleaved, bounded in count and in time.
+
+Variants take turns in blocks, in a rotating order, so slow drift on a shared
+machine (another process, CPU frequency) lands on every variant alike. Only
+the ``cycle()`` call is timed; handing the batch back is not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from benchmarks.stats import p50, percentile
+from benchmarks.variants import Claimer
+
+HandBack = Callable[[list[str]], Awaitable[None]]
+_BLOCK = 25
+
+
+@dataclass
+class Samples:
+    variant: str
+    latencies_us: list[float] = field(default_factory=list)
+    claimed: int = 0
+    skipped: int = 0
+
+    def summary(self) -> dict[str, float | int | str]:
+        cycles = len(self.latencies_us)
+        return {
+            "variant": self.variant,
+            "cycles": cycles,
+            "p50_us": round(p50(self.latencies_us), 1),
+            "p99_us": round(percentile(self.latencies_us, 99), 1),
+            "mean_us": round(sum(self.latencies_us) / cycles, 1) if cycles else 0.0,
+            "entries_per_cycle": round(self.claimed / cycles, 2) if cycles else 0.0,
+            "skipped": self.skipped,
+        }
+
+
+async def _one(claimer: Claimer, hand_back: HandBack, samples: Samples | None) -> None:
+    started = time.perf_counter()
+    result = await claimer.cycle()
+    elapsed_us = (time.perf_counter() - started) * 1e6
+    await hand_back(result.ids)
+    if samples is not None:
+        samples.latencies_us.append(elapsed_us)
+        samples.claimed += len(result.ids)
+        samples.skipped += result.skipped
+
+
+async def measure(
+    claimers: list[Claimer],
+    hand_back: HandBack,
+    cycles: int,
+    warmup: int,
+    max_seconds: float,
+) -> tuple[dict[str, Samples], bool]:
+    """Samples per variant, and whether the time bound cut the run short."""
+    for claimer in claimers:
+        await claimer.prepare()
+        for _ in range(warmup):
+            await _one(claimer, hand_back, None)
+    samples = {claimer.name: Samples(claimer.name) for claimer in claimers}
+    deadline = time.monotonic() + max_seconds
+    blocks = -(-cycles // _BLOCK)
+    for block in range(blocks):
+        shift = block % len(claimers)
+        for claimer in claimers[shift:] + claimers[:shift]:
+            for _ in range(min(_BLOCK, cycles - block * _BLOCK)):
+                await _one(claimer, hand_back, samples[claimer.name])
+        if time.monotonic() > deadline:
+            return samples, True
+    return samples, False
