@@ -1,0 +1,222 @@
+"""Part 4: N claimer processes on one stream and group, claiming flat out.
+
+The workload: a PEL of long-idle entries; every claimer loops claim cycles
+for a fixed window and never acks (as if every task outlived idle_timeout,
+or the claimer died after claiming), so claimed entries idle out and are
+claimable again. Each claimer records every entry it was handed with the
+time it sent the cycle and the time the reply arrived.
+
+A double claim is an entry handed to two different claimers within one
+lease period (settings.lease). A hand-out happened somewhere between the
+cycle's send and its reply, so a pair of hand-outs counts as a double claim
+only when even the widest gap it can have had (second reply minus first
+send) is under one lease: scheduling noise cannot fake that. Pairs that
+only might have been that close (narrowest gap under a lease, widest not)
+are reported apart, as ``possible_double_claims``.
+
+Claimers are forked processes (cheap to start, 64 fit on 2 cores), each
+with its own connection and event loop, bounded by the window, a cycle cap
+and a hard SIGALRM; the parent kills any that are left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import time
+from collections import defaultdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from benchmarks import safety, workload
+from benchmarks.config import Mode, Regime
+from benchmarks.variants import VARIANTS, Target, coordination_keys, make_claimer
+
+STREAM, GROUP = "bench-contention", "bench-group"
+# Far above what one claimer reaches in a window; only a safety bound.
+_MAX_CYCLES = 2_000_000
+_START_SLACK_S = 0.4
+
+
+async def _claim_loop(spec: dict[str, Any]) -> dict[str, Any]:
+    regime: Regime = spec["regime"]
+    client = Redis.from_url(spec["url"])
+    try:
+        claimer = make_claimer(
+            spec["variant"],
+            client,
+            Target(
+                STREAM,
+                GROUP,
+                f"claimer-{spec['index']}",
+                regime.arguments.settings(),
+                regime.arguments.lock_timeout_s,
+            ),
+        )
+        await claimer.prepare()
+        await client.ping()
+        await asyncio.sleep(max(0.0, spec["start_at"] - time.monotonic()))
+        # One tuple per productive cycle: (sent, replied, ids).
+        handed: list[tuple[float, float, list[str]]] = []
+        cycles = skipped = errors = 0
+        while cycles < _MAX_CYCLES and (sent := time.monotonic()) < spec["stop_at"]:
+            try:
+                result = await claimer.cycle()
+            except RedisError:
+                errors += 1
+                cycles += 1
+                continue
+            cycles += 1
+            if result.skipped:
+                skipped += 1
+            elif result.ids:
+                handed.append((sent, time.monotonic(), result.ids))
+        return {
+            "cycles": cycles,
+            "skipped": skipped,
+            "errors": errors,
+            "handed": handed,
+            "counters": claimer.counters(),
+        }
+    finally:
+        await client.aclose()
+
+
+def _child(conn: Connection, spec: dict[str, Any]) -> None:
+    safety.die_with_parent()
+    safety.hard_deadline(spec["stop_at"] - time.monotonic() + 60)
+    try:
+        conn.send(asyncio.run(_claim_loop(spec)))
+    except Exception as error:  # reported by the parent
+        conn.send({"failed": repr(error)})
+    finally:
+        conn.close()
+
+
+def _double_claims(
+    results: list[dict[str, Any]], lease_s: float
+) -> tuple[int, int, int]:
+    """(certain, possible, entries claimed more than once)."""
+    by_entry: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for claimer, result in enumerate(results):
+        for sent, replied, ids in result["handed"]:
+            for entry in ids:
+                by_entry[entry].append((sent, replied, claimer))
+    certain = possible = again = 0
+    for hand_outs in by_entry.values():
+        if len(hand_outs) < 2:
+            continue
+        again += 1
+        hand_outs.sort()
+        for first, second in itertools.pairwise(hand_outs):
+            (sent1, replied1, who1), (sent2, replied2, who2) = first, second
+            if who1 == who2:
+                continue
+            if replied2 - sent1 < lease_s:
+                certain += 1
+            elif sent2 - replied1 < lease_s:
+                possible += 1
+    return certain, possible, again
+
+
+async def _reset(url: str, pending: int) -> None:
+    client = Redis.from_url(url)
+    try:
+        await workload.create(client, STREAM, GROUP, coordination_keys(STREAM, GROUP))
+        await workload.add_pending(client, STREAM, GROUP, pending)
+    finally:
+        await client.aclose()
+
+
+def _run_one(
+    url: str, regime: Regime, variant: str, claimers: int, mode: Mode
+) -> dict[str, Any]:
+    asyncio.run(_reset(url, mode.contention_pending))
+    context = multiprocessing.get_context("fork")
+    start_at = time.monotonic() + _START_SLACK_S + 0.01 * claimers
+    stop_at = start_at + mode.contention_s
+    processes, pipes = [], []
+    try:
+        for index in range(claimers):
+            receive, send = context.Pipe(duplex=False)
+            spec = {
+                "url": url,
+                "regime": regime,
+                "variant": variant,
+                "index": index,
+                "start_at": start_at,
+                "stop_at": stop_at,
+            }
+            process = context.Process(target=_child, args=(send, spec), daemon=True)
+            process.start()
+            send.close()
+            processes.append(process)
+            pipes.append(receive)
+        results = []
+        for receive in pipes:
+            remaining = stop_at - time.monotonic() + 30
+            if not receive.poll(max(0.0, remaining)):
+                raise RuntimeError(f"a {variant} claimer did not report in time")
+            results.append(receive.recv())
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for receive in pipes:
+            receive.close()
+    failed = [r["failed"] for r in results if "failed" in r]
+    if failed:
+        raise RuntimeError(f"{variant} claimers failed: {failed[:3]}")
+    settings = regime.arguments.settings()
+    certain, possible, again = _double_claims(results, settings.lease / 1000)
+    handed = sum(len(ids) for r in results for _, _, ids in r["handed"])
+    cycles = sum(r["cycles"] for r in results)
+    counters: dict[str, int] = defaultdict(int)
+    for result in results:
+        for key, value in result["counters"].items():
+            counters[key] += value
+    return {
+        "regime": regime.name,
+        "variant": variant,
+        "claimers": claimers,
+        "claims_per_s": round(handed / mode.contention_s, 1),
+        "double_claims": certain,
+        "possible_double_claims": possible,
+        "entries_claimed_again": again,
+        "cycles_per_s": round(cycles / mode.contention_s, 1),
+        "skipped_fraction": round(sum(r["skipped"] for r in results) / cycles, 3)
+        if cycles
+        else 0.0,
+        "errors": sum(r["errors"] for r in results),
+        **dict(counters),
+        "duration_s": mode.contention_s,
+        "lease_ms": settings.lease,
+        "idle_timeout_ms": settings.idle_timeout,
+    }
+
+
+def run(
+    url: str, regimes: tuple[Regime, ...], mode: Mode, log: Any
+) -> list[dict[str, Any]]:
+    rows = []
+    for regime in regimes:
+        for claimers in mode.claimers_for(regime.name):
+            for variant in VARIANTS:
+                log(f"contention: {regime.name}, {claimers} x {variant}")
+                rows.append(_run_one(url, regime, variant, claimers, mode))
+    asyncio.run(_drop(url))
+    return rows
+
+
+async def _drop(url: str) -> None:
+    client = Redis.from_url(url)
+    try:
+        await client.delete(STREAM, *coordination_keys(STREAM, GROUP))
+    finally:
+        await client.aclose()
