@@ -1,0 +1,202 @@
+"""``python -m benchmarks``: every part, one server, one results file.
+
+Parts, in order: claim_cycle (latency per RTT, round trips, server time,
+upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import (
+    claim_cycle,
+    contention,
+    end_to_end,
+    machine,
+    netpath,
+    report,
+    safety,
+    scale,
+    throughput,
+)
+from benchmarks.config import MODES, REGIMES, REPO_ROOT
+from taskiq_atomic_claim.embedded_server import (
+    LocalServer,
+    ServerBinary,
+    default_binary,
+    find_binaries,
+)
+
+PARTS = ("claim_cycle", "contention", "scale", "e2e", "throughput")
+DEFAULT_SERVER = Path("/usr/bin/redis-server")
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Atomic claim vs client-side locking: latency under RTT,"
+        " contention, scale, crash recovery and throughput.",
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="short run (< 2 min)")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every part, very briefly, for the test suite (figures meaningless)",
+    )
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="latency-vs-RTT PNG (default: beside --json, else benchmarks/results/)",
+    )
+    parser.add_argument(
+        "--server",
+        help="server binary path or label such as redis-6.2.14 (default: Redis 7.0"
+        f" at {DEFAULT_SERVER} if present, else the newest found)",
+    )
+    parser.add_argument(
+        "--latency-method",
+        choices=("auto", "netem", "proxy"),
+        default="auto",
+        help="auto: netem in a network namespace, else the loopback delay proxy",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated subset of: {','.join(PARTS)}",
+    )
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    return args
+
+
+def _describe_binary(path: Path) -> ServerBinary:
+    out = subprocess.run(
+        [str(path), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    ).stdout
+    match = re.search(r"v=(\d+\.\d+\.\d+)", out)
+    if match is None:
+        raise SystemExit(f"{path} --version did not say which version it is")
+    flavor = "valkey" if out.lower().startswith("valkey") else "redis"
+    return ServerBinary(flavor, match.group(1), path)
+
+
+def choose_binary(choice: str | None) -> ServerBinary:
+    found = find_binaries()
+    if choice is None:
+        if DEFAULT_SERVER.exists():
+            return _describe_binary(DEFAULT_SERVER)
+        return default_binary()
+    for binary in found:
+        if choice in (binary.label, str(binary.path)):
+            return binary
+    path = Path(choice)
+    if not path.exists():
+        labels = ", ".join(b.label for b in found)
+        raise SystemExit(f"--server {choice}: no such binary (found: {labels})")
+    return _describe_binary(path)
+
+
+def _finite(value: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    safety.install()
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(
+            f"[{time.monotonic() - started:6.1f} s] {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    binary = choose_binary(args.server)
+    results: dict[str, Any] = {
+        "mode": mode.name,
+        "command": " ".join(["python -m benchmarks", *argv]),
+    }
+    path: netpath.LatencyPath | None = None
+    try:
+        if "claim_cycle" in args.parts:
+            path = netpath.open_path(args.latency_method)
+            log(f"latency injection: {path.method}: {path.detail}")
+        with LocalServer(binary, extra_args=path.server_args if path else ()) as server:
+            log(f"server {binary.label} on port {server.port}")
+            results["machine"] = machine.describe(
+                binary,
+                server.url,
+                path.method if path else None,
+                path.detail if path else "",
+            )
+            if "claim_cycle" in args.parts and path is not None:
+                results.update(claim_cycle.run(server.port, path, mode, log))
+            if "contention" in args.parts:
+                results["contention_regimes"] = {
+                    r.name: {**r.arguments.as_dict(), "why": r.why} for r in REGIMES
+                }
+                results["contention"] = contention.run(server.url, REGIMES, mode, log)
+            if "scale" in args.parts:
+                results["scale"] = scale.run(server.url, mode, log)
+            if "e2e" in args.parts:
+                results["e2e"] = end_to_end.run(
+                    server.url,
+                    mode.e2e_rounds,
+                    mode.e2e_give_up_s,
+                    mode.e2e_idle_timeout,
+                    mode.e2e_claim_interval,
+                    log,
+                )
+            if "throughput" in args.parts:
+                results["throughput"] = throughput.run(
+                    server.url, mode.throughput_messages, mode.throughput_reps, log
+                )
+    finally:
+        if path is not None:
+            path.close()
+        safety.run_all()
+    results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    results["targets"] = report.targets(results)
+    results = _finite(results)
+    print(report.render(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    plot_path = (
+        args.plot
+        or (args.json.parent if args.json else RESULTS_DIR) / "claim_latency.png"
+    )
+    if report.plot(results, plot_path):
+        log(f"wrote {plot_path}")
+    return 0

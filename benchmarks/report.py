@@ -1,0 +1,488 @@
+"""Tables, the targets section and the latency plot, from the results dict.
+
+Every figure printed comes from the results; the targets compare measured
+ratios with the issue's thresholds and say PASS, MISS, or not measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import ratio
+from benchmarks.variants import VARIANTS
+
+Row = dict[str, Any]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def _numeric(cell: str) -> bool:
+    return (
+        cell == "-" or cell.replace(",", "").replace(".", "", 1).lstrip("-").isdigit()
+    )
+
+
+def table(headers: list[str], rows: Iterable[list[Any]]) -> str:
+    """Plain-text table: numeric columns right-aligned, text left-aligned."""
+    body = [[_fmt(v) for v in row] for row in rows]
+    cells = [headers, *body]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    right = [all(_numeric(row[i]) for row in body) for i in range(len(headers))]
+    lines = [
+        "  ".join(
+            cell.rjust(width) if align else cell.ljust(width)
+            for cell, width, align in zip(row, widths, right, strict=True)
+        ).rstrip()
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _find(rows: list[Row], **match: Any) -> Row | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _top_rtt(results: dict[str, Any]) -> float | None:
+    rtts = sorted({row["rtt_ms"] for row in results.get("claim_cycle", [])})
+    return 2.0 if 2.0 in rtts else (rtts[-1] if rtts else None)
+
+
+def _target(
+    name: str, measured: float | None, goal: str, ok: bool | None, note: str
+) -> Row:
+    if measured is not None and math.isnan(measured):
+        measured, ok = None, None
+    return {
+        "target": name,
+        "measured": measured,
+        "goal": goal,
+        "result": "not measured" if ok is None else ("PASS" if ok else "MISS"),
+        "note": note,
+    }
+
+
+def targets(results: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    trips = {r["variant"]: r["round_trips"] for r in results.get("round_trips", [])}
+    atomic_trips = trips.get("atomic")
+    out.append(
+        _target(
+            "atomic round trips per claim cycle",
+            atomic_trips,
+            "== 1",
+            None if atomic_trips is None else atomic_trips == 1,
+            "counted on the wire by the turn-counting proxy",
+        )
+    )
+
+    cycles = results.get("claim_cycle", [])
+    rtt = _top_rtt(results)
+    p50 = {r["variant"]: r["p50_us"] for r in cycles if r["rtt_ms"] == rtt}
+    vs_bare = ratio(p50.get("atomic", math.nan), p50.get("bare_xautoclaim", math.nan))
+    vs_lock = ratio(p50.get("atomic", math.nan), p50.get("plain_lock", math.nan))
+    cpu = {
+        r["variant"]: r["server_usec_per_cycle"] for r in results.get("server_cpu", [])
+    }
+    out.append(
+        _target(
+            f"atomic p50 / bare_xautoclaim p50 at {rtt} ms RTT",
+            vs_bare,
+            "<= 1.10",
+            None if math.isnan(vs_bare) else vs_bare <= 1.10,
+            f"server us/cycle atomic {_fmt(cpu.get('atomic'))} vs bare"
+            f" {_fmt(cpu.get('bare_xautoclaim'))}",
+        )
+    )
+    out.append(
+        _target(
+            f"atomic p50 / plain_lock p50 at {rtt} ms RTT",
+            vs_lock,
+            "<= 0.35",
+            None if math.isnan(vs_lock) else vs_lock <= 0.35,
+            f"round trips {_fmt(atomic_trips)} vs {_fmt(trips.get('plain_lock'))}",
+        )
+    )
+
+    contention = results.get("contention", [])
+    at16 = [r for r in contention if r["claimers"] == 16]
+    doubles = [r["double_claims"] for r in at16 if r["variant"] == "atomic"]
+    others = ", ".join(
+        f"{r['variant']}@{r['regime']}={r['double_claims']}"
+        for r in at16
+        if r["variant"] != "atomic"
+    )
+    out.append(
+        _target(
+            "16 claimers: atomic double claims (every regime)",
+            float(sum(doubles)) if doubles else None,
+            "== 0",
+            None if not doubles else sum(doubles) == 0,
+            f"others: {others}",
+        )
+    )
+    atomic16 = _find(at16, variant="atomic", regime="lease_lt_idle")
+    lock16 = _find(at16, variant="plain_lock", regime="lease_lt_idle")
+    speedup = (
+        ratio(atomic16["claims_per_s"], lock16["claims_per_s"])
+        if (atomic16 and lock16)
+        else math.nan
+    )
+    out.append(
+        _target(
+            "16 claimers: atomic claims/s / plain_lock claims/s",
+            speedup,
+            ">= 3",
+            None if math.isnan(speedup) else speedup >= 3,
+            "regime lease_lt_idle (entries handed out per second)",
+        )
+    )
+
+    for workload in ("claim", "scan"):
+        rows = [
+            r
+            for r in results.get("scale", [])
+            if r["variant"] == "atomic" and r["workload"] == workload
+        ]
+        values = [r["p50_us"] for r in rows]
+        spread = ratio(max(values), min(values)) if len(values) > 1 else math.nan
+        sizes = ", ".join(f"{r['pending']}: {_fmt(r['p50_us'])} us" for r in rows)
+        out.append(
+            _target(
+                f"atomic p50 max/min over PEL sizes ({workload} workload)",
+                spread,
+                "<= 1.5",
+                None if math.isnan(spread) else spread <= 1.5,
+                sizes,
+            )
+        )
+
+    for queue in ("idle", "busy"):
+        mine = _find(results.get("e2e", []), broker="atomic", queue=queue)
+        theirs = _find(results.get("e2e", []), broker="upstream_1_2_4", queue=queue)
+        measured = mine["p99_s"] if mine else None
+        ok = None
+        if mine:
+            ok = (
+                mine["recovered"] == mine["kills"]
+                and measured is not None
+                and measured <= mine["bound_s"]
+            )
+        goal = f"<= {mine['bound_s']} s (idle+interval+0.25)" if mine else "-"
+        out.append(
+            _target(
+                f"SIGKILL->rerun p99, {queue} queue ({_kills(mine)})",
+                measured,
+                goal,
+                ok,
+                f"upstream 1.2.4: {_upstream(theirs)}",
+            )
+        )
+
+    through = {r["broker"]: r for r in results.get("throughput", [])}
+    live = (
+        ratio(
+            through["atomic"]["messages_per_s"],
+            through["upstream_1_2_4"]["messages_per_s"],
+        )
+        if len(through) == 2
+        else math.nan
+    )
+    drain = (
+        ratio(
+            through["atomic"]["drain_messages_per_s"],
+            through["upstream_1_2_4"]["drain_messages_per_s"],
+        )
+        if len(through) == 2
+        else math.nan
+    )
+    out.append(
+        _target(
+            "throughput atomic / upstream (kick->execute->ack)",
+            live,
+            ">= 0.97",
+            None if math.isnan(live) else live >= 0.97,
+            f"backlog drain ratio {_fmt(drain)}",
+        )
+    )
+    return out
+
+
+def _kills(row: Row | None) -> str:
+    return f"{row['recovered']}/{row['kills']} recovered" if row else "not run"
+
+
+def _upstream(row: Row | None) -> str:
+    if row is None:
+        return "not run"
+    if row["recovered"] == 0:
+        return f"0/{row['kills']} recovered within {row['not_recovered_within_s']} s"
+    return (
+        f"{row['recovered']}/{row['kills']} recovered, p50 {_fmt(row['p50_s'])} s,"
+        f" p99 {_fmt(row['p99_s'])} s"
+    )
+
+
+def render(results: dict[str, Any]) -> str:
+    parts: list[str] = []
+    m = results.get("machine", {})
+    parts.append(
+        f"Machine: {m.get('cores')} cores, {m.get('cpu_model')}, server"
+        f" {m.get('server', {}).get('label')}, {m.get('date')}, load"
+        f" {m.get('load_average_start')} -> {m.get('load_average_end')}\n"
+        f"Latency injection: {m.get('latency_method')}: {m.get('latency_detail')}\n"
+        f"Mode: {results.get('mode')}, {results.get('elapsed_s')} s"
+    )
+    if results.get("claim_cycle"):
+        rows = sorted(
+            results["claim_cycle"],
+            key=lambda r: (r["rtt_ms"], VARIANTS.index(r["variant"])),
+        )
+        parts.append(
+            "Claim cycle latency (one cycle claims a batch of "
+            f"{results['claim_cycle_settings']['batch_size']} idle entries;"
+            f" PEL {results['claim_cycle_settings']['pending']})\n"
+            + table(
+                [
+                    "variant",
+                    "rtt ms",
+                    "measured rtt us",
+                    "p50 us",
+                    "p99 us",
+                    "round trips",
+                    "entries/cycle",
+                ],
+                (
+                    [
+                        r["variant"],
+                        r["rtt_ms"],
+                        r["measured_rtt_us"],
+                        r["p50_us"],
+                        r["p99_us"],
+                        r["round_trips"],
+                        r["entries_per_cycle"],
+                    ]
+                    for r in rows
+                ),
+            )
+        )
+    if results.get("round_trips"):
+        cpu = {r["variant"]: r for r in results.get("server_cpu", [])}
+        parts.append(
+            "Per cycle: round trips (wire), commands (MONITOR), server time"
+            " (commandstats, outer commands only)\n"
+            + table(
+                [
+                    "variant",
+                    "round trips",
+                    "outer commands",
+                    "nested (script/MULTI)",
+                    "server us",
+                ],
+                (
+                    [
+                        r["variant"],
+                        r["round_trips"],
+                        _counts(r["outer"]),
+                        _counts(r["nested"]),
+                        cpu.get(r["variant"], {}).get("server_usec_per_cycle"),
+                    ]
+                    for r in results["round_trips"]
+                ),
+            )
+        )
+        fidelity = results.get("fidelity")
+        if fidelity:
+            parts.append(
+                "upstream_1_2_4 vs the real taskiq-redis 1.2.4 claim step:"
+                f" {'same commands' if fidelity['match'] else 'DIFFERENT'}:"
+                f" {' '.join(fidelity['observed_upstream'])}"
+            )
+    if results.get("contention"):
+        parts.append(
+            "Contention (claims/s = entries handed out per second)\n"
+            + table(
+                [
+                    "regime",
+                    "claimers",
+                    "variant",
+                    "claims/s",
+                    "cycles/s",
+                    "skipped",
+                    "double",
+                    "possible",
+                    "lost locks",
+                ],
+                (
+                    [
+                        r["regime"],
+                        r["claimers"],
+                        r["variant"],
+                        r["claims_per_s"],
+                        r["cycles_per_s"],
+                        r["skipped_fraction"],
+                        r["double_claims"],
+                        r["possible_double_claims"],
+                        r.get("lost_locks", "-"),
+                    ]
+                    for r in results["contention"]
+                ),
+            )
+        )
+    if results.get("scale"):
+        sizes = sorted({r["pending"] for r in results["scale"]})
+        body = []
+        for workload in ("claim", "scan"):
+            for variant in VARIANTS:
+                rows = {
+                    r["pending"]: r
+                    for r in results["scale"]
+                    if r["variant"] == variant and r["workload"] == workload
+                }
+                values = [rows[s]["p50_us"] for s in sizes if s in rows]
+                body.append(
+                    [
+                        workload,
+                        variant,
+                        *values,
+                        ratio(max(values), min(values)) if values else None,
+                    ]
+                )
+        parts.append(
+            "Scale: p50 us by PEL size\n"
+            + table(["workload", "variant", *[str(s) for s in sizes], "max/min"], body)
+        )
+    if results.get("e2e"):
+        parts.append(
+            "End to end: SIGKILL -> re-run (s)\n"
+            + table(
+                [
+                    "broker",
+                    "queue",
+                    "recovered",
+                    "p50",
+                    "p99",
+                    "max",
+                    "bound",
+                    "gave up at",
+                ],
+                (
+                    [
+                        r["broker"],
+                        r["queue"],
+                        f"{r['recovered']}/{r['kills']}",
+                        r["p50_s"],
+                        r["p99_s"],
+                        r["max_s"],
+                        r["bound_s"],
+                        r["not_recovered_within_s"],
+                    ]
+                    for r in results["e2e"]
+                ),
+            )
+        )
+    if results.get("throughput"):
+        parts.append(
+            "Throughput (messages/s, median of reps)\n"
+            + table(
+                [
+                    "broker",
+                    "kick->execute->ack",
+                    "each",
+                    "producer alone",
+                    "backlog drain",
+                ],
+                (
+                    [
+                        r["broker"],
+                        r["messages_per_s"],
+                        r["each_messages_per_s"],
+                        r["producer_per_s"],
+                        r["drain_messages_per_s"],
+                    ]
+                    for r in results["throughput"]
+                ),
+            )
+        )
+    if results.get("targets"):
+        parts.append(
+            "Targets\n"
+            + table(
+                ["target", "measured", "goal", "result", "note"],
+                (
+                    [t["target"], t["measured"], t["goal"], t["result"], t["note"]]
+                    for t in results["targets"]
+                ),
+            )
+        )
+    return "\n\n".join(parts)
+
+
+def _counts(counts: dict[str, float]) -> str:
+    return " ".join(
+        f"{name}x{_fmt(n)}" if n != 1 else name for name, n in counts.items()
+    )
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    rows = results.get("claim_cycle")
+    if not rows:
+        return None
+    # Only the plot needs matplotlib, which is slow to import.
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    trips = {r["variant"]: r["round_trips"] for r in results.get("round_trips", [])}
+    figure, axis = plt.subplots(figsize=(8, 5), dpi=120)
+    for variant in VARIANTS:
+        mine = sorted(
+            (r for r in rows if r["variant"] == variant), key=lambda r: r["rtt_ms"]
+        )
+        x = [r["rtt_ms"] for r in mine]
+        label = f"{variant} ({trips.get(variant, math.nan):g} round trips/cycle)"
+        (line,) = axis.plot(
+            x, [r["p50_us"] / 1000 for r in mine], marker="o", label=label
+        )
+        axis.plot(
+            x,
+            [r["p99_us"] / 1000 for r in mine],
+            linestyle=":",
+            color=line.get_color(),
+            linewidth=1,
+        )
+    method = results.get("machine", {}).get("latency_method")
+    axis.set_xlabel(f"injected client-server RTT, ms ({method})")
+    axis.set_ylabel("claim cycle latency, ms (solid p50, dotted p99)")
+    axis.set_title("Claim cycle latency vs RTT")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    machine = results.get("machine", {})
+    figure.text(
+        0.01,
+        0.01,
+        f"{machine.get('server', {}).get('label')},"
+        f" {machine.get('cores')} cores, {machine.get('cpu_model')},"
+        f" {machine.get('date')}, mode {results.get('mode')}",
+        fontsize=7,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    figure.savefig(path)
+    plt.close(figure)
+    return path
