@@ -1,0 +1,400 @@
+"""``AtomicRedisStreamClusterBroker``: the atomic reclaim on Redis Cluster.
+
+taskiq-redis's ``RedisStreamClusterBroker`` never reclaims. This broker runs
+the shared listen loop (``ReclaimingListener``) through ``SlotRoutedClient``,
+which stands between the loop and redis-py's ``RedisCluster`` because:
+
+- script administration (FUNCTION LOAD, SCRIPT LOAD, FUNCTION LIST, SCRIPT
+  EXISTS) has no key, and must reach every primary, not one node; INFO is
+  asked of every primary too, so one older node puts the whole broker on
+  cached scripts;
+- FCALL and XREADGROUP have "movable" keys, which redis-py resolves with
+  COMMAND GETKEYS on one fixed node: once that node dies, every such call
+  fails until some other command happens to refresh the topology. They are
+  sent here to the primary of their first key's slot instead;
+- XREADGROUP over streams in different slots is CROSSSLOT (the parent sends
+  it anyway): streams are read per slot, concurrently;
+- a topology change shows up as CLUSTERDOWN, TRYAGAIN, an uncovered slot or
+  a node that cannot be reached; the loop should wait it out like an
+  outage, not stop, so those are raised as ``ConnectionError``.
+
+Every key a script touches carries its stream's hash slot (``keys.py``); the
+constructor checks that for every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode
+from redis.crc import key_slot
+from redis.exceptions import (
+    ClusterDownError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from taskiq_redis import RedisStreamClusterBroker
+
+from taskiq_atomic_claim.broker import _check_stream_arguments
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
+from taskiq_atomic_claim.scripts import _library_name
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, ClaimSettings
+
+# (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
+StreamEntries = list[tuple[Any, Any]]
+
+_SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVALSHA_RO", "EVAL"})
+_EVERY_PRIMARY = frozenset({"FUNCTION", "SCRIPT", "INFO"})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# RedisClusterException texts that mean "no usable view of the cluster right
+# now", unlike usage errors such as keys in different slots.
+_FLUX_MESSAGES = ("cannot be connected", "not covered", "could not agree")
+
+
+def _in_flux(error: BaseException) -> bool:
+    """Whether ``error`` means the topology is changing, so a retry will do."""
+    # CLUSTERDOWN and MASTERDOWN during a failover, TRYAGAIN while a slot
+    # migrates, a slot the client's map has no node for.
+    if isinstance(error, ClusterDownError | TryAgainError | SlotNotCoveredError):
+        return True
+    if isinstance(error, RedisClusterException):
+        return any(message in str(error) for message in _FLUX_MESSAGES)
+    # The node a read blocked on stopped being a primary.
+    return isinstance(error, ResponseError) and str(error).startswith("UNBLOCKED")
+
+
+def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
+    """``streams`` split by hash slot, in order: one XREADGROUP per group."""
+    groups: dict[int, dict[str, str | int]] = {}
+    for stream, start in streams.items():
+        groups.setdefault(key_slot(stream.encode()), {})[stream] = start
+    return list(groups.values())
+
+
+def _as_pairs(reply: Any) -> StreamEntries:
+    # RESP3 replies map stream -> entries; the loop expects RESP2's pairs.
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(reply or [])
+
+
+def _merge_per_node(args: tuple[Any, ...], replies: list[Any]) -> Any:
+    """One reply for a command every primary answered."""
+    name = " ".join(_text(arg).upper() for arg in args[:2])
+    if name == "SCRIPT EXISTS":
+        # Loaded only where every primary has it.
+        return [all(flags) for flags in zip(*replies, strict=True)]
+    if name == "FUNCTION LIST":
+        # The libraries every primary has.
+        present = [{_library_name(entry) for entry in reply} for reply in replies]
+        everywhere = set.intersection(*present)
+        return [entry for entry in replies[0] if _library_name(entry) in everywhere]
+    if _text(args[0]).upper() == "INFO":
+        # The oldest server decides which features may be used.
+        return min(replies, key=_version_key)
+    # FUNCTION LOAD, SCRIPT LOAD: every node answered alike (library name,
+    # sha) or the gather raised.
+    return replies[0]
+
+
+def _version_key(info: Any) -> tuple[int, ...]:
+    version = str(info.get("redis_version", "0")) if isinstance(info, dict) else "0"
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+class SlotRoutedClient:
+    """What the listen loop and ``ScriptRunner`` talk to on a cluster.
+
+    ``execute_command`` is ``RedisCluster.execute_command`` with the routing
+    described in the module docstring; ``xreadgroup`` reads streams in
+    several slots with one outstanding XREADGROUP per slot. An outstanding
+    read is kept, never cancelled, across calls: a read that the server
+    served but whose reply was thrown away would leave its entries pending
+    unseen until idle_timeout. ``on_delivered`` hears of every read as it
+    completes, so entries that arrive while the consumer is not pulling are
+    still known (and heartbeated) at once.
+    """
+
+    def __init__(
+        self,
+        cluster: RedisCluster,
+        on_delivered: Callable[[StreamEntries], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self._on_delivered = on_delivered
+        self._reads: dict[tuple[str, ...], asyncio.Task[StreamEntries]] = {}
+        # A failed read whose siblings brought entries: raised next call,
+        # after those entries have been handed over.
+        self._deferred: BaseException | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        name = _text(args[0]).upper()
+        try:
+            if name in _EVERY_PRIMARY:
+                return await self._on_every_primary(args, options)
+            if name in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
+                node = await self.primary_for(_text(args[3]))
+                return await self.cluster.execute_command(
+                    *args, target_nodes=node, **options
+                )
+            return await self.cluster.execute_command(*args, **options)
+        except Exception as error:
+            if _in_flux(error):
+                raise RedisConnectionError(f"cluster changing: {error}") from error
+            raise
+
+    async def primary_for(self, key: str) -> ClusterNode:
+        """The primary serving ``key`` as the client now knows the cluster."""
+        # A no-op unless a failed command asked for the topology to be
+        # refreshed; then it is refreshed before we pick a node from it.
+        await self.cluster.initialize()
+        node = self.cluster.get_node_from_key(key)
+        if node is None:
+            raise RedisClusterException(f"slot of {key!r} not covered")
+        return node
+
+    async def _on_every_primary(
+        self, args: tuple[Any, ...], options: dict[str, Any]
+    ) -> Any:
+        await self.cluster.initialize()
+        primaries = self.cluster.get_primaries()
+        # One call per node, so the reply shape does not depend on how many
+        # primaries there are; any failure fails the whole load, which the
+        # caller retries: a script must be everywhere its keys may be.
+        replies = await asyncio.gather(
+            *(
+                self.cluster.execute_command(*args, target_nodes=node, **options)
+                for node in primaries
+            )
+        )
+        return _merge_per_node(args, list(replies))
+
+    async def xreadgroup(
+        self,
+        groupname: str,
+        consumername: str,
+        streams: dict[str, str | int],
+        count: int | None = None,
+        block: int | None = None,
+    ) -> StreamEntries:
+        """XREADGROUP for streams in any slots; replies as RESP2 pairs."""
+        if self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
+        groups = slot_groups(streams)
+        if len(groups) == 1:
+            return await self._read(groups[0], groupname, consumername, count, block)
+        for group in groups:
+            if tuple(group) not in self._reads:
+                self._reads[tuple(group)] = asyncio.create_task(
+                    self._read(group, groupname, consumername, count, block)
+                )
+        # block 0 is "forever" to Redis; None does not block at all.
+        timeout = None if block in (None, 0) else block / 1000
+        done, _ = await asyncio.wait(
+            self._reads.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        return self._collect(done)
+
+    def _collect(self, done: Iterable[asyncio.Task[StreamEntries]]) -> StreamEntries:
+        fetched: StreamEntries = []
+        failure: BaseException | None = None
+        for key, task in list(self._reads.items()):
+            if task not in done:
+                continue
+            del self._reads[key]
+            error = task.exception()
+            if error is None:
+                fetched += task.result()
+            elif failure is None:
+                failure = error
+        if failure is not None:
+            if not fetched:
+                raise failure
+            self._deferred = failure
+        return fetched
+
+    async def _read(
+        self,
+        group: dict[str, str | int],
+        groupname: str,
+        consumername: str,
+        count: int | None,
+        block: int | None,
+    ) -> StreamEntries:
+        pieces: list[Any] = ["XREADGROUP", "GROUP", groupname, consumername]
+        if count is not None:
+            pieces += ["COUNT", count]
+        if block is not None:
+            pieces += ["BLOCK", block]
+        pieces += ["STREAMS", *group, *group.values()]
+        try:
+            node = await self.primary_for(next(iter(group)))
+            reply = await self.cluster.execute_command(*pieces, target_nodes=node)
+        except Exception as error:
+            if _in_flux(error):
+                raise RedisConnectionError(f"cluster changing: {error}") from error
+            raise
+        fetched = _as_pairs(reply)
+        if fetched and self._on_delivered is not None:
+            self._on_delivered(fetched)
+        return fetched
+
+    async def close(self) -> None:
+        """Stop outstanding reads (their entries, if any, were already
+        reported to ``on_delivered``, so a hand-back still covers them)."""
+        reads, self._reads = list(self._reads.values()), {}
+        for task in reads:
+            task.cancel()
+        for task in reads:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+# The parent annotates additional_streams as dict[str, str], the loop as
+# dict[str, str | int] (what XREADGROUP takes): the same object either way.
+class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
+    ReclaimingListener, RedisStreamClusterBroker
+):
+    """A drop-in ``RedisStreamClusterBroker`` that reclaims, as
+    ``AtomicRedisStreamBroker`` does on a single server.
+
+    Each stream's claim is one script call on the primary of that stream's
+    slot; streams in different slots are claimed, and read, separately.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        queue_name: str = "taskiq",
+        max_connection_pool_size: int = 2**31,
+        consumer_group_name: str = "taskiq",
+        consumer_name: str | None = None,
+        consumer_id: str = "$",
+        mkstream: bool = True,
+        xread_block: int = 10000,
+        maxlen: int | None = None,
+        approximate: bool = True,
+        additional_streams: dict[str, str | int] | None = None,
+        *,
+        idle_timeout: int = 600000,
+        unacknowledged_batch_size: int = 100,
+        unacknowledged_lock_timeout: float | None = None,
+        xread_count: int | None = 100,
+        claim_interval: int | None = None,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        **connection_kwargs: Any,
+    ) -> None:
+        """Take the parent's arguments, in its order and units; the reclaim
+        arguments, keyword-only, are ``AtomicRedisStreamBroker``'s.
+
+        :param idle_timeout: ms an entry must sit unacknowledged before it is
+            reclaimed from a consumer that stopped.
+        :param unacknowledged_batch_size: entries one claim takes at most.
+        :param unacknowledged_lock_timeout: seconds the claim lease lives;
+            by default one claim interval, never forever.
+        :param xread_count: entries one XREADGROUP returns at most (per slot).
+        :param claim_interval: ms between reclaim cycles; by default
+            min(1000, idle_timeout // 2). Must be below idle_timeout.
+        :param max_deliveries: an entry delivered more often than this goes
+            to the dead-letter stream; None never gives up.
+        :raises ValueError: for a bad argument, or a stream whose keys would
+            not all hash to its slot (the claim script could not run).
+        """
+        claim_settings = ClaimSettings.from_broker_arguments(
+            idle_timeout=idle_timeout,
+            claim_interval=claim_interval,
+            unacknowledged_batch_size=unacknowledged_batch_size,
+            unacknowledged_lock_timeout=unacknowledged_lock_timeout,
+            max_deliveries=max_deliveries,
+        )
+        _check_stream_arguments(
+            queue_name=queue_name,
+            consumer_group_name=consumer_group_name,
+            consumer_name=consumer_name,
+            xread_block=xread_block,
+            maxlen=maxlen,
+            xread_count=xread_count,
+            additional_streams=additional_streams,
+        )
+        for stream in [queue_name, *(additional_streams or {})]:
+            if not StreamKeys(stream, consumer_group_name).colocated():
+                raise ValueError(
+                    f"stream {stream!r}: its claim keys would not share its hash"
+                    " slot (the name has braces Redis reads as a different hash"
+                    " tag); rename it, e.g. with one {tag}"
+                )
+        super().__init__(
+            url,
+            queue_name=queue_name,
+            max_connection_pool_size=max_connection_pool_size,
+            consumer_group_name=consumer_group_name,
+            consumer_name=consumer_name,
+            consumer_id=consumer_id,
+            mkstream=mkstream,
+            xread_block=xread_block,
+            maxlen=maxlen,
+            approximate=approximate,
+            # The parent annotates start ids as str only; ints work as well.
+            additional_streams=additional_streams,  # type: ignore[arg-type]
+            **connection_kwargs,
+        )
+        # The parent has no xread_count; the listen loop reads self.count.
+        self.count = xread_count
+        self._init_reclaim(claim_settings)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[SlotRoutedClient]:
+        # Not ``async with self.redis``: leaving that closes the shared
+        # client's connections whenever no other user holds it.
+        client = SlotRoutedClient(self.redis, on_delivered=self._mark_in_flight)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+    def _mark_in_flight(self, fetched: StreamEntries) -> None:
+        for stream, entries in fetched:
+            ids = {_text(entry_id) for entry_id, _ in entries}
+            self.in_flight.setdefault(_text(stream), set()).update(ids)
+
+    async def _declare_consumer_group(self) -> None:
+        # As the parent, without its ``async with self.redis`` (see
+        # ``_connection``), and a worker started mid-failover does not die
+        # here: the listen loop waits the outage out and recreates a group
+        # it finds missing.
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(
+                    stream,
+                    self.consumer_group_name,
+                    id=self.consumer_id,
+                    mkstream=self.mkstream,
+                )
+            except ResponseError as error:  # BUSYGROUP, mostly
+                logger.debug("%s", error)
+            except (*_UNREACHABLE, RedisClusterException) as error:
+                logger.warning(
+                    "Consumer group %r on stream %r not created yet: %s",
+                    self.consumer_group_name,
+                    stream,
+                    error,
+                )
+
+    async def shutdown(self) -> None:
+        """Hand unacked deliveries back, then close the client."""
+        await self.hand_back()
+        await super().shutdown()

@@ -1,0 +1,197 @@
+"""``AtomicRedisStreamSentinelBroker``: the atomic reclaim behind Redis Sentinel.
+
+taskiq-redis's ``RedisStreamSentinelBroker`` never reclaims. This broker runs
+the shared listen loop (``ReclaimingListener``) on a client from
+``self.sentinel.master_for(self.master_name)``. Two things a failover does
+need handling beyond what redis-py's Sentinel pool does by itself:
+
+- the listen loop keeps one client for its whole life, and its pool asks
+  the sentinels for the master only when it opens a connection. After a
+  failover the old master keeps answering until the sentinels demote it
+  (about ten seconds later with the default settings), so without a nudge
+  the loop would read and claim on a server whose writes are about to be
+  thrown away. Once per claim interval the pool re-asks the sentinels, and
+  drops its connections when the master moved;
+- a read blocked on a master that is demoted fails with UNBLOCKED, which is
+  a reply, not a broken connection. The connection class here treats it as
+  redis-py already treats READONLY: disconnect, and raise ``ConnectionError``
+  so the loop reconnects, through the sentinels, to the new master.
+
+The library is loaded on the master and replicates with the data (functions)
+or is reloaded on the new master when it is missing (6.2's cached scripts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import SSLConnection
+from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from taskiq_redis import RedisStreamSentinelBroker
+
+from taskiq_atomic_claim.broker import _check_stream_arguments
+from taskiq_atomic_claim.claim import ClaimOutcome
+from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
+from taskiq_atomic_claim.settings import (
+    DEFAULT_MAX_DELIVERIES,
+    ClaimSettings,
+    require_name,
+)
+
+
+class MasterFollowingConnection(SentinelManagedConnection):
+    """A Sentinel-managed connection that also gives up on UNBLOCKED."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as error:
+            if not str(error).startswith("UNBLOCKED"):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError(
+                f"the master was demoted under a blocked read: {error}"
+            ) from error
+
+
+class MasterFollowingSSLConnection(MasterFollowingConnection, SSLConnection):
+    pass
+
+
+# The parent annotates additional_streams as dict[str, str], the loop as
+# dict[str, str | int] (what XREADGROUP takes): the same object either way.
+class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
+    ReclaimingListener, RedisStreamSentinelBroker
+):
+    """A drop-in ``RedisStreamSentinelBroker`` that reclaims, as
+    ``AtomicRedisStreamBroker`` does on a single server, and follows the
+    master across failovers."""
+
+    def __init__(
+        self,
+        sentinels: list[tuple[str, int]],
+        master_name: str,
+        min_other_sentinels: int = 0,
+        queue_name: str = "taskiq",
+        consumer_group_name: str = "taskiq",
+        consumer_name: str | None = None,
+        consumer_id: str = "$",
+        mkstream: bool = True,
+        xread_block: int = 10000,
+        maxlen: int | None = None,
+        approximate: bool = True,
+        additional_streams: dict[str, str | int] | None = None,
+        *,
+        idle_timeout: int = 600000,
+        unacknowledged_batch_size: int = 100,
+        unacknowledged_lock_timeout: float | None = None,
+        xread_count: int | None = 100,
+        claim_interval: int | None = None,
+        max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        **connection_kwargs: Any,
+    ) -> None:
+        """Take the parent's arguments, in its order and units; the reclaim
+        arguments, keyword-only, are ``AtomicRedisStreamBroker``'s.
+
+        :param idle_timeout: ms an entry must sit unacknowledged before it is
+            reclaimed from a consumer that stopped.
+        :param unacknowledged_batch_size: entries one claim takes at most.
+        :param unacknowledged_lock_timeout: seconds the claim lease lives;
+            by default one claim interval, never forever.
+        :param xread_count: entries one XREADGROUP returns at most.
+        :param claim_interval: ms between reclaim cycles, and at most how
+            long the loop stays on a master the sentinels have replaced; by
+            default min(1000, idle_timeout // 2). Must be below idle_timeout.
+        :param max_deliveries: an entry delivered more often than this goes
+            to the dead-letter stream; None never gives up.
+        """
+        claim_settings = ClaimSettings.from_broker_arguments(
+            idle_timeout=idle_timeout,
+            claim_interval=claim_interval,
+            unacknowledged_batch_size=unacknowledged_batch_size,
+            unacknowledged_lock_timeout=unacknowledged_lock_timeout,
+            max_deliveries=max_deliveries,
+        )
+        _check_stream_arguments(
+            queue_name=queue_name,
+            consumer_group_name=consumer_group_name,
+            consumer_name=consumer_name,
+            xread_block=xread_block,
+            maxlen=maxlen,
+            xread_count=xread_count,
+            additional_streams=additional_streams,
+        )
+        require_name("master_name", master_name)
+        super().__init__(
+            sentinels,
+            master_name,
+            min_other_sentinels=min_other_sentinels,
+            queue_name=queue_name,
+            consumer_group_name=consumer_group_name,
+            consumer_name=consumer_name,
+            consumer_id=consumer_id,
+            mkstream=mkstream,
+            xread_block=xread_block,
+            maxlen=maxlen,
+            approximate=approximate,
+            # The parent annotates start ids as str only; ints work as well.
+            additional_streams=additional_streams,  # type: ignore[arg-type]
+            **connection_kwargs,
+        )
+        # The parent has no xread_count; the listen loop reads self.count.
+        self.count = xread_count
+        self._init_reclaim(claim_settings)
+        self._master_checked = 0.0
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Redis]:
+        ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
+        connection_class = (
+            MasterFollowingSSLConnection if ssl else MasterFollowingConnection
+        )
+        async with self.sentinel.master_for(
+            self.master_name, connection_class=connection_class
+        ) as client:
+            yield client
+
+    async def _declare_consumer_group(self) -> None:
+        # As the parent, except that a worker started mid-failover does not
+        # die here: the listen loop waits the outage out and recreates a
+        # group it finds missing.
+        try:
+            async with self._connection() as client:
+                for stream in self.streams:
+                    try:
+                        await client.xgroup_create(
+                            stream,
+                            self.consumer_group_name,
+                            id=self.consumer_id,
+                            mkstream=self.mkstream,
+                        )
+                    except ResponseError as error:  # BUSYGROUP, mostly
+                        logger.debug("%s", error)
+        except _UNREACHABLE as error:
+            logger.warning(
+                "Consumer group %r not created yet: %s", self.consumer_group_name, error
+            )
+
+    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
+        """A claim cycle, after making sure ``client`` is on the current master."""
+        now = time.monotonic()
+        if now - self._master_checked >= self.claim_settings.claim_interval / 1000:
+            self._master_checked = now
+            # Asks the sentinels; when the master moved, the pool closes its
+            # idle connections, so the next command reaches the new one.
+            await client.connection_pool.get_master_address()
+        return await super().claim(client, stream)
+
+    async def shutdown(self) -> None:
+        """Hand unacked deliveries back, then shut down as the parent does."""
+        await self.hand_back()
+        await super().shutdown()

@@ -1,0 +1,103 @@
+"""The taskiq app the Cluster and Sentinel crash drills run under ``taskiq worker``.
+
+Configured from the environment, so a plain ``taskiq worker
+tests.topology_app:broker`` subprocess picks it up:
+
+- ``TAC_TOPOLOGY``: ``cluster`` or ``sentinel``;
+- ``TAC_TOPOLOGY_NODES``: ``host:port,...``, a cluster node (the first is
+  the startup node) or the sentinels;
+- ``TAC_TOPOLOGY_MASTER``: the Sentinel master name;
+- ``TAC_DRILL_QUEUE``, ``TAC_DRILL_IDLE_TIMEOUT``, ``TAC_DRILL_CLAIM_INTERVAL``
+  and ``TAC_DRILL_WORKER`` as for ``taskiq_atomic_claim.drill_app``;
+- ``TAC_DRILL_EVENTS_URL``: a standalone server, outside the topology, for
+  the events stream, so a failover can neither lose nor hide an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from redis.asyncio import Redis
+from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
+
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
+
+TASK_NAME = "tests.topology_app.work"
+MASTER_NAME = "tac-master"
+
+
+def events_stream(queue: str) -> str:
+    return f"{queue}:drill-events"
+
+
+def parse_nodes(text: str) -> list[tuple[str, int]]:
+    nodes = []
+    for item in text.split(","):
+        host, port = item.rsplit(":", 1)
+        nodes.append((host, int(port)))
+    return nodes
+
+
+def build_broker(
+    kind: str,
+    nodes: list[tuple[str, int]],
+    queue: str,
+    idle_timeout: int,
+    claim_interval: int,
+    master_name: str = MASTER_NAME,
+) -> AsyncBroker:
+    if kind == "cluster":
+        host, port = nodes[0]
+        return AtomicRedisStreamClusterBroker(
+            f"redis://{host}:{port}",
+            queue_name=queue,
+            xread_block=2000,
+            idle_timeout=idle_timeout,
+            claim_interval=claim_interval,
+        )
+    if kind == "sentinel":
+        return AtomicRedisStreamSentinelBroker(
+            nodes,
+            master_name,
+            queue_name=queue,
+            xread_block=2000,
+            idle_timeout=idle_timeout,
+            claim_interval=claim_interval,
+        )
+    raise ValueError(f"TAC_TOPOLOGY must be cluster or sentinel, got {kind!r}")
+
+
+_QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
+_WORKER = os.environ.get("TAC_DRILL_WORKER", f"worker-{os.getpid()}")
+
+broker = build_broker(
+    os.environ.get("TAC_TOPOLOGY", "cluster"),
+    parse_nodes(os.environ.get("TAC_TOPOLOGY_NODES", "127.0.0.1:7000")),
+    _QUEUE,
+    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
+    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
+    os.environ.get("TAC_TOPOLOGY_MASTER", MASTER_NAME),
+)
+_events = Redis.from_url(
+    os.environ.get("TAC_DRILL_EVENTS_URL", "redis://127.0.0.1:6379")
+)
+
+
+async def _report(event: str, run_id: str = "") -> None:
+    await _events.xadd(
+        events_stream(_QUEUE), {"event": event, "run": run_id, "worker": _WORKER}
+    )
+
+
+@broker.on_event(TaskiqEvents.WORKER_STARTUP)
+async def _ready(_: TaskiqState) -> None:
+    await _report("ready")
+
+
+@broker.task(task_name=TASK_NAME)
+async def work(run_id: str, seconds: float) -> None:
+    await _report("started", run_id)
+    await asyncio.sleep(seconds)
+    await _report("finished", run_id)
