@@ -224,8 +224,25 @@ class ReclaimingListener:
         ack = self._ack_generator(id=entry_id, queue_name=stream)
 
         async def ack_and_forget() -> None:
-            await ack()
-            self.in_flight.get(stream, set()).discard(entry_id)
+            # A dropped connection must not fail the ack outright; if the
+            # server stays away, stop heartbeating the entry either way so
+            # another worker reclaims it (at least once, never stuck).
+            give_up = time.monotonic() + min(
+                self.claim_settings.idle_timeout / 2000, 30
+            )
+            delay = 0.05
+            try:
+                while True:
+                    try:
+                        await ack()
+                        return
+                    except _UNREACHABLE:
+                        if time.monotonic() + delay > give_up:
+                            raise
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 1.0)
+            finally:
+                self.in_flight.get(stream, set()).discard(entry_id)
 
         return ack_and_forget
 

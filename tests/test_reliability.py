@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.reclaiming import StreamTypeError
@@ -229,4 +230,44 @@ async def test_a_stream_key_of_another_type_fails_startup_naming_it(
         with pytest.raises(StreamTypeError, match="'taskiq' holds a string"):
             await broker.startup()
     finally:
+        await broker.shutdown()
+
+
+async def test_ack_rides_out_a_dropped_connection(server: Server, redis: Redis) -> None:
+    # Found by the soak: an ack that failed once left the entry pending and
+    # heartbeated forever by a worker that would never ack it again.
+    broker = await started(server)
+    try:
+        await broker.kick(message("ack-after-drop"))
+        received = await receive(broker.listen(), 2)
+        assert received is not None
+        await redis.client_setname("test-admin")
+        for client in await redis.client_list():
+            if client["name"] != "test-admin":
+                await redis.client_kill_filter(_id=client["id"])
+        await received.ack()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert broker.in_flight["taskiq"] == set()
+    finally:
+        await broker.shutdown()
+
+
+async def test_an_ack_that_cannot_reach_the_server_stops_the_heartbeat(
+    server: Server, redis: Redis
+) -> None:
+    if server.local is None:
+        pytest.skip("needs a server this suite started")
+    broker = await started(server, idle_timeout=300, claim_interval=100)
+    try:
+        await broker.kick(message("unackable"))
+        received = await receive(broker.listen(), 2)
+        assert received is not None
+        server.local.stop()
+        with pytest.raises(RedisConnectionError):
+            await received.ack()
+        # Not acked, so it must become reclaimable: no heartbeat may hold it.
+        assert broker.in_flight["taskiq"] == set()
+    finally:
+        server.local.start()
+        await redis.connection_pool.disconnect()
         await broker.shutdown()
