@@ -76,7 +76,7 @@ def _taskiq_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "taskiq"]
 
 
-class _Worker:
+class Worker:
     """A ``taskiq worker`` process group, killed with the group."""
 
     def __init__(
@@ -119,7 +119,7 @@ class _Worker:
         self.log.close()
 
 
-class _Events:
+class Events:
     def __init__(self, client: Redis, stream: str) -> None:
         self.client = client
         self.stream = stream
@@ -147,8 +147,8 @@ class _Events:
 
 
 @contextlib.contextmanager
-def _workers() -> Iterator[list[_Worker]]:
-    started: list[_Worker] = []
+def running_workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
     try:
         yield started
     finally:
@@ -158,16 +158,16 @@ def _workers() -> Iterator[list[_Worker]]:
 
 
 @dataclass
-class _Drill:
+class Drill:
     url: str
     queue: str
     report: DrillReport
-    events: _Events
+    events: Events
     kicker_broker: AsyncBroker
     give_up_after: float
     log_dir: Path
 
-    def _worker(self, name: str, *extra_args: str) -> _Worker:
+    def worker(self, name: str, *extra_args: str) -> Worker:
         env = {
             **os.environ,
             "TAC_DRILL_URL": self.url,
@@ -177,7 +177,7 @@ class _Drill:
             "TAC_DRILL_BROKER": self.report.broker,
             "TAC_DRILL_WORKER": name,
         }
-        return _Worker(env, self.log_dir / f"{self.queue}-{name}.log", extra_args)
+        return Worker(env, self.log_dir / f"{self.queue}-{name}.log", extra_args)
 
     async def kick(self, run_id: str, seconds: float) -> None:
         kicker: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, self.kicker_broker, {})
@@ -186,9 +186,9 @@ class _Drill:
     async def one_round(self, number: int) -> DrillRound:
         run_id = f"round-{number}"
         deadline = time.monotonic() + self.give_up_after
-        with _workers() as workers:
+        with running_workers() as workers:
             doomed_name = f"doomed-{number}"
-            doomed = self._worker(doomed_name)
+            doomed = self.worker(doomed_name)
             workers.append(doomed)
             if (
                 await self.events.wait_for("ready", deadline, worker=doomed_name)
@@ -206,7 +206,7 @@ class _Drill:
             doomed.process.wait(timeout=10)
 
             fresh_name = f"fresh-{number}"
-            workers.append(self._worker(fresh_name))
+            workers.append(self.worker(fresh_name))
             rerun = await self.events.wait_for(
                 "started", killed + self.give_up_after, run_id, fresh_name
             )
@@ -226,15 +226,15 @@ async def drill_queue(
     broker_kind: str = "atomic",
     log_dir: Path | None = None,
     give_up_after: float = 30.0,
-) -> AsyncIterator[_Drill]:
+) -> AsyncIterator[Drill]:
     """A fresh queue for drill workers; its keys are deleted afterwards."""
     queue = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
     client = Redis.from_url(url)
-    drill = _Drill(
+    drill = Drill(
         url=url,
         queue=queue,
         report=DrillReport(url, broker_kind, idle_timeout, claim_interval),
-        events=_Events(client, events_stream(queue)),
+        events=Events(client, events_stream(queue)),
         kicker_broker=build_broker(
             url, queue, idle_timeout, claim_interval, broker_kind
         ),

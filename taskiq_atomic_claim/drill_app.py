@@ -12,6 +12,8 @@ import os
 import socket
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
 from taskiq_redis import RedisStreamBroker
 
@@ -25,13 +27,27 @@ def events_stream(queue: str) -> str:
 
 
 def build_broker(
-    url: str, queue: str, idle_timeout: int, claim_interval: int, kind: str
+    url: str,
+    queue: str,
+    idle_timeout: int,
+    claim_interval: int,
+    kind: str,
+    consumer_name: str | None = None,
 ) -> AsyncBroker:
     """``kind`` "atomic" is this package's broker; "upstream" is taskiq-redis's."""
     if kind == "upstream":
-        return RedisStreamBroker(url, queue_name=queue, idle_timeout=idle_timeout)
+        return RedisStreamBroker(
+            url,
+            queue_name=queue,
+            idle_timeout=idle_timeout,
+            consumer_name=consumer_name,
+        )
     return AtomicRedisStreamBroker(
-        url, queue_name=queue, idle_timeout=idle_timeout, claim_interval=claim_interval
+        url,
+        queue_name=queue,
+        idle_timeout=idle_timeout,
+        claim_interval=claim_interval,
+        consumer_name=consumer_name,
     )
 
 
@@ -45,14 +61,24 @@ broker = build_broker(
     int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
     int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
     os.environ.get("TAC_DRILL_BROKER", "atomic"),
+    # The worker's name doubles as its consumer name, so a drill can ask the
+    # server what a worker it killed still had pending.
+    consumer_name=_WORKER,
 )
 _events = Redis.from_url(_URL)
 
 
 async def _report(event: str, run_id: str = "") -> None:
-    await _events.xadd(
-        events_stream(_QUEUE), {"event": event, "run": run_id, "worker": _WORKER}
-    )
+    fields = {"event": event, "run": run_id, "worker": _WORKER}
+    # Bounded retries: the soak restarts the server under running tasks, and
+    # a lost report would read as a lost task.
+    for _ in range(100):
+        try:
+            await _events.xadd(events_stream(_QUEUE), fields)  # type: ignore[arg-type]
+            return
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            await asyncio.sleep(0.1)
+    await _events.xadd(events_stream(_QUEUE), fields)  # type: ignore[arg-type]
 
 
 @broker.on_event(TaskiqEvents.WORKER_STARTUP)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.drill import _workers, drill_queue, run_drill
+from taskiq_atomic_claim.drill import running_workers, drill_queue, run_drill
 from tests.conftest import Server
 
 IDLE_MS, INTERVAL_MS = 2000, 500
@@ -52,9 +52,9 @@ async def test_long_task_on_a_live_worker_runs_exactly_once(
 ) -> None:
     idle_ms = 1000
     async with drill_queue(server.url, idle_ms, 200, log_dir=tmp_path) as drill:
-        with _workers() as workers:
+        with running_workers() as workers:
             for name in ("one", "two"):
-                workers.append(drill._worker(name))
+                workers.append(drill.worker(name))
             deadline = time.monotonic() + 30
             for name in ("one", "two"):
                 assert await drill.events.wait_for("ready", deadline, worker=name)
@@ -76,15 +76,15 @@ async def test_sigterm_with_a_backlog_hands_work_back_without_waiting(
     idle_ms = 60_000
     runs = [f"job-{n}" for n in range(4)]
     async with drill_queue(server.url, idle_ms, 500, log_dir=tmp_path) as drill:
-        with _workers() as workers:
-            leaving = drill._worker("leaving", "--max-async-tasks", "1")
+        with running_workers() as workers:
+            leaving = drill.worker("leaving", "--max-async-tasks", "1")
             workers.append(leaving)
             deadline = time.monotonic() + 40
             assert await drill.events.wait_for("ready", deadline, worker="leaving")
             for run_id in runs:
                 await drill.kick(run_id, 0.5)
             assert await drill.events.wait_for("started", deadline, runs[0], "leaving")
-            workers.append(drill._worker("replacement"))
+            workers.append(drill.worker("replacement"))
             assert await drill.events.wait_for("ready", deadline, worker="replacement")
             leaving.stop()  # SIGTERM, waits for a graceful exit
             until = time.monotonic() + 20
