@@ -59,9 +59,14 @@ class DrillReport:
 
     def summary(self) -> str:
         times = self.kill_to_rerun()
+        setting = (
+            "taskiq-redis RedisStreamBroker"
+            if self.broker == "upstream"
+            else f"AtomicRedisStreamBroker, claim interval {self.claim_interval} ms"
+        )
         head = (
-            f"{self.broker} broker, idle_timeout {self.idle_timeout} ms, claim interval"
-            f" {self.claim_interval} ms: recovered {self.recovered}/{len(self.rounds)}"
+            f"{setting}, idle_timeout {self.idle_timeout} ms:"
+            f" recovered {self.recovered}/{len(self.rounds)}"
         )
         if not times:
             return head
