@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -43,6 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from taskiq_redis import RedisStreamClusterBroker
 
 from taskiq_atomic_claim.broker import _check_stream_arguments
+from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
 from taskiq_atomic_claim.scripts import _library_name
@@ -50,6 +52,10 @@ from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, ClaimSettings
 
 # (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
 StreamEntries = list[tuple[Any, Any]]
+
+# The listen loop's own backoff bounds, for one slot at a time.
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 5.0
 
 _SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVALSHA_RO", "EVAL"})
 _EVERY_PRIMARY = frozenset({"FUNCTION", "SCRIPT", "INFO"})
@@ -120,12 +126,18 @@ class SlotRoutedClient:
 
     ``execute_command`` is ``RedisCluster.execute_command`` with the routing
     described in the module docstring; ``xreadgroup`` reads streams in
-    several slots with one outstanding XREADGROUP per slot. An outstanding
-    read is kept, never cancelled, across calls: a read that the server
-    served but whose reply was thrown away would leave its entries pending
-    unseen until idle_timeout. ``on_delivered`` hears of every read as it
-    completes, so entries that arrive while the consumer is not pulling are
-    still known (and heartbeated) at once.
+    several slots with one outstanding XREADGROUP per slot.
+
+    An outstanding read is kept, never cancelled, across calls: a read the
+    server served but whose reply was thrown away would leave its entries
+    pending, unseen, until idle_timeout. ``on_delivered`` hears of every read
+    as it completes, so entries that arrive while the consumer is not
+    pulling are known (and heartbeated) at once.
+
+    A slot whose primary cannot be reached rests, with its own capped
+    backoff, while the other slots are still read: one failed primary out
+    of several must not stop the streams on the others. Only when every
+    slot fails does the error reach the loop, which then waits it out.
     """
 
     def __init__(
@@ -139,6 +151,11 @@ class SlotRoutedClient:
         # A failed read whose siblings brought entries: raised next call,
         # after those entries have been handed over.
         self._deferred: BaseException | None = None
+        # Per slot group that failed to be read: the error, the backoff, and
+        # when to try again.
+        self._failing: dict[tuple[str, ...], BaseException] = {}
+        self._backoff: dict[tuple[str, ...], float] = {}
+        self._resting_until: dict[tuple[str, ...], float] = {}
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         name = _text(args[0]).upper()
@@ -197,19 +214,29 @@ class SlotRoutedClient:
         groups = slot_groups(streams)
         if len(groups) == 1:
             return await self._read(groups[0], groupname, consumername, count, block)
+        now = time.monotonic()
         for group in groups:
-            if tuple(group) not in self._reads:
-                self._reads[tuple(group)] = asyncio.create_task(
+            key = tuple(group)
+            if key not in self._reads and self._resting_until.get(key, 0.0) <= now:
+                self._reads[key] = asyncio.create_task(
                     self._read(group, groupname, consumername, count, block)
                 )
         # block 0 is "forever" to Redis; None does not block at all.
         timeout = None if block in (None, 0) else block / 1000
+        if not self._reads:
+            # Every slot is resting after failures: wait for the first one
+            # due, within the caller's block.
+            due = min(self._resting_until.values()) - now
+            await asyncio.sleep(max(0.0, due if timeout is None else min(due, timeout)))
+            return []
         done, _ = await asyncio.wait(
             self._reads.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
-        return self._collect(done)
+        return self._collect(done, len(groups))
 
-    def _collect(self, done: Iterable[asyncio.Task[StreamEntries]]) -> StreamEntries:
+    def _collect(
+        self, done: Iterable[asyncio.Task[StreamEntries]], group_count: int
+    ) -> StreamEntries:
         fetched: StreamEntries = []
         failure: BaseException | None = None
         for key, task in list(self._reads.items()):
@@ -219,13 +246,41 @@ class SlotRoutedClient:
             error = task.exception()
             if error is None:
                 fetched += task.result()
+                self._reachable(key)
+            elif isinstance(error, _UNREACHABLE):
+                self._unreachable(key, error)
             elif failure is None:
                 failure = error
+        if failure is None and len(self._failing) == group_count:
+            # Nothing is reachable: the loop's own outage handling takes over
+            # and every slot is tried again after it.
+            failure = next(iter(self._failing.values()))
+            self._failing.clear()
+            self._backoff.clear()
+            self._resting_until.clear()
         if failure is not None:
             if not fetched:
                 raise failure
             self._deferred = failure
         return fetched
+
+    def _unreachable(self, key: tuple[str, ...], error: BaseException) -> None:
+        if key not in self._failing:
+            logger.warning(
+                "Streams %s unreachable, reading the others meanwhile: %s",
+                ", ".join(key),
+                error,
+            )
+        self._failing[key] = error
+        delay = min(self._backoff.get(key, _FIRST_BACKOFF_S / 2) * 2, _MAX_BACKOFF_S)
+        self._backoff[key] = delay
+        self._resting_until[key] = time.monotonic() + delay
+
+    def _reachable(self, key: tuple[str, ...]) -> None:
+        if self._failing.pop(key, None) is not None:
+            logger.warning("Streams %s reachable again", ", ".join(key))
+        self._backoff.pop(key, None)
+        self._resting_until.pop(key, None)
 
     async def _read(
         self,
@@ -330,12 +385,14 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             xread_count=xread_count,
             additional_streams=additional_streams,
         )
-        for stream in [queue_name, *(additional_streams or {})]:
+        named = [("queue_name", queue_name)]
+        named += [("additional_streams key", s) for s in additional_streams or {}]
+        for argument, stream in named:
             if not StreamKeys(stream, consumer_group_name).colocated():
                 raise ValueError(
-                    f"stream {stream!r}: its claim keys would not share its hash"
-                    " slot (the name has braces Redis reads as a different hash"
-                    " tag); rename it, e.g. with one {tag}"
+                    f"{argument} {stream!r}: its claim keys would not share its"
+                    " hash slot (Redis reads a different hash tag in the name);"
+                    " rename it, e.g. with a single {tag}"
                 )
         super().__init__(
             url,
@@ -355,6 +412,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         # The parent has no xread_count; the listen loop reads self.count.
         self.count = xread_count
         self._init_reclaim(claim_settings)
+        # Streams whose last claim failed to reach their primary.
+        self._unclaimable: set[str] = set()
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[SlotRoutedClient]:
@@ -365,6 +424,28 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             yield client
         finally:
             await client.close()
+
+    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
+        """A claim cycle for one stream; with several streams, one whose
+        primary is unreachable is skipped this cycle instead of stopping the
+        claims (and reads) of all the others."""
+        try:
+            outcome = await super().claim(client, stream)
+        except _UNREACHABLE as error:
+            if len(self.streams) == 1:
+                raise
+            if stream not in self._unclaimable:
+                self._unclaimable.add(stream)
+                logger.warning(
+                    "Cannot claim on stream %r, claiming the others meanwhile: %s",
+                    stream,
+                    error,
+                )
+            return ClaimOutcome(skipped=True)
+        if stream in self._unclaimable:
+            self._unclaimable.discard(stream)
+            logger.warning("Claiming on stream %r again", stream)
+        return outcome
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
         for stream, entries in fetched:

@@ -33,6 +33,7 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import RedisError
+from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.embedded_server import (
     LocalServer,
@@ -643,3 +644,55 @@ class EventLog:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def message(body: str, queue: str) -> BrokerMessage:
+    return BrokerMessage(
+        task_id=body, task_name="t", message=body.encode(), labels={"queue_name": queue}
+    )
+
+
+class Consumer:
+    """Runs a broker's ``listen()`` in a task, recording (and by default
+    acking) every message with the monotonic time it arrived."""
+
+    def __init__(self, broker: Any, ack: bool = True) -> None:
+        self.broker = broker
+        self.ack = ack
+        self.received: list[tuple[float, str]] = []
+        self.listener = broker.listen()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for received in self.listener:
+            self.received.append((time.monotonic(), _text(received.data)))
+            if self.ack:
+                await received.ack()
+
+    @property
+    def bodies(self) -> list[str]:
+        return [body for _, body in self.received]
+
+    async def wait_for(self, bodies: set[str], timeout: float) -> float | None:
+        """Monotonic time the last of ``bodies`` arrived, None after ``timeout``
+        (or if the listen loop stopped: its error is raised)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.task.done():
+                self.task.result()
+                return None
+            if bodies <= set(self.bodies):
+                return max(t for t, body in self.received if body in bodies)
+            await asyncio.sleep(0.02)
+        return None
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.listener.aclose()
+
+    async def die(self) -> None:
+        """What SIGKILL does in-process: no more reads, heartbeats or acks."""
+        await self.stop()
+        await self.broker.stop_heartbeat()

@@ -1,0 +1,588 @@
+"""AtomicRedisStreamClusterBroker on a real local Redis Cluster.
+
+A 3-primary cluster, each primary with one replica, started from the local
+Redis 7 binary (``tests/topologies.py``). Tests that kill a node get a
+cluster of their own; the others share one per module. Measured times are
+printed (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis as SyncRedis
+from redis.crc import key_slot
+from redis.exceptions import ClusterCrossSlotError, RedisClusterException
+from taskiq.kicker import AsyncKicker
+from taskiq_redis import RedisStreamClusterBroker
+
+from taskiq_atomic_claim.cluster_broker import (
+    AtomicRedisStreamClusterBroker,
+    SlotRoutedClient,
+    slot_groups,
+)
+from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
+from tests.topologies import (
+    HOST,
+    ClusterNode,
+    Consumer,
+    DrillWorkers,
+    EventLog,
+    LocalCluster,
+    binary_for,
+    bounded,
+    message,
+    unexpiring_keys,
+    wait_replicated,
+)
+from tests.topology_app import TASK_NAME, events_stream
+
+IDLE_MS, INTERVAL_MS = 1000, 200
+# Reclaim happens one idle_timeout after delivery, at the next claim cycle;
+# the margin covers a loaded 2-core machine.
+RECLAIM_BOUND_S = (IDLE_MS + INTERVAL_MS) / 1000 + 2.0
+
+REDIS_7 = binary_for(7)
+REDIS_62 = binary_for(6)
+VALKEY_8 = binary_for(8, "valkey")
+
+
+def _need(binary: Any, what: str) -> Any:
+    if binary is None:
+        pytest.skip(f"no {what} server binary found (see embedded_server.py)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Shared by the tests that leave every node running."""
+    with LocalCluster(_need(REDIS_7, "Redis 7")) as started:
+        yield started
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[LocalCluster]:
+    """For a test that kills a node."""
+    with LocalCluster(_need(REDIS_7, "Redis 7")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def events_server() -> Iterator[LocalServer]:
+    with LocalServer(_need(REDIS_7, "Redis 7")) as server:
+        yield server
+
+
+def spread_streams(cluster: LocalCluster, prefix: str) -> list[str]:
+    """One stream name per primary, the first on the cluster's startup node."""
+    by_primary: dict[int, str] = {}
+    for number in range(10_000):
+        name = f"{prefix}-{number}"
+        by_primary.setdefault(cluster.node_for(name).port, name)
+        if len(by_primary) == len(cluster.primaries):
+            break
+    first = cluster.primaries[0].port
+    return [by_primary[first]] + [s for p, s in by_primary.items() if p != first]
+
+
+class Brokers:
+    """Cluster brokers started for one test; all shut down at its end."""
+
+    def __init__(self) -> None:
+        self.started: list[AtomicRedisStreamClusterBroker] = []
+
+    async def __call__(
+        self, cluster: LocalCluster, streams: list[str], name: str, **kwargs: Any
+    ) -> AtomicRedisStreamClusterBroker:
+        kwargs.setdefault("idle_timeout", IDLE_MS)
+        kwargs.setdefault("claim_interval", INTERVAL_MS)
+        kwargs.setdefault("xread_block", 500)
+        broker = AtomicRedisStreamClusterBroker(
+            cluster.url,
+            queue_name=streams[0],
+            additional_streams={stream: ">" for stream in streams[1:]},
+            consumer_name=name,
+            # Messages kicked before a listener starts count too.
+            consumer_id="0",
+            **kwargs,
+        )
+        self.started.append(broker)
+        await broker.startup()
+        return broker
+
+    async def shutdown_all(self) -> None:
+        started, self.started = self.started, []
+        for broker in started:
+            await broker.shutdown()
+
+
+@pytest.fixture
+async def make_broker() -> AsyncIterator[Brokers]:
+    brokers = Brokers()
+    try:
+        yield brokers
+    finally:
+        await brokers.shutdown_all()
+
+
+async def kick_all(
+    broker: Any, streams: list[str], per_stream: int, tag: str
+) -> set[str]:
+    bodies = set()
+    for stream in streams:
+        for number in range(per_stream):
+            body = f"{stream}/{tag}-{number}"
+            await broker.kick(message(body, stream))
+            bodies.add(body)
+    return bodies
+
+
+async def pending(broker: AtomicRedisStreamClusterBroker, stream: str) -> int:
+    summary: Any = await broker.redis.xpending(stream, broker.consumer_group_name)
+    return int(summary["pending"])
+
+
+def libraries_on(node: ClusterNode) -> list[str]:
+    with node_client(node) as client:
+        listing: Any = client.execute_command("FUNCTION LIST")
+    return [_library_name(entry) for entry in listing]
+
+
+def node_client(node: ClusterNode) -> SyncRedis:
+    return SyncRedis(host=HOST, port=node.port, decode_responses=True)
+
+
+# Construction: no server needed.
+
+
+def test_a_stream_whose_keys_would_leave_its_slot_is_refused() -> None:
+    # The first {...} pair is empty, so Redis hashes the whole name; wrapped
+    # in braces for the claim keys it would hash "a{" instead.
+    stream = "a{}b{c}"
+    assert not StreamKeys(stream, "taskiq").colocated()
+    with pytest.raises(ValueError, match=r"queue_name 'a\{\}b\{c\}'"):
+        AtomicRedisStreamClusterBroker("redis://127.0.0.1:1", queue_name=stream)
+    with pytest.raises(ValueError, match=r"additional_streams key 'a\{\}b\{c\}'"):
+        AtomicRedisStreamClusterBroker(
+            "redis://127.0.0.1:1", additional_streams={"ok": ">", stream: ">"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"idle_timeout": 1000, "claim_interval": 1000}, "claim_interval"),
+        ({"unacknowledged_batch_size": 0}, "unacknowledged_batch_size"),
+        ({"unacknowledged_lock_timeout": -1}, "unacknowledged_lock_timeout"),
+        ({"max_deliveries": 0}, "max_deliveries"),
+        ({"xread_count": 0}, "xread_count"),
+        ({"xread_block": -1}, "xread_block"),
+        ({"queue_name": ""}, "queue_name"),
+    ],
+)
+def test_arguments_are_checked_as_the_standalone_broker_checks_them(
+    kwargs: dict[str, Any], names: str
+) -> None:
+    with pytest.raises(ValueError, match=names):
+        AtomicRedisStreamClusterBroker("redis://127.0.0.1:1", **kwargs)
+
+
+def test_parent_arguments_keep_their_positions() -> None:
+    broker = AtomicRedisStreamClusterBroker(
+        "redis://127.0.0.1:1", "jobs", 10, "workers", "me", "0", False, 3000
+    )
+    assert (broker.queue_name, broker.consumer_group_name) == ("jobs", "workers")
+    assert (broker.consumer_name, broker.consumer_id, broker.block) == ("me", "0", 3000)
+    assert broker.mkstream is False
+    assert broker.claim_settings.idle_timeout == 600000
+    assert broker.count == 100
+
+
+# On the shared cluster.
+
+
+@bounded(30)
+async def test_upstream_broker_cannot_even_read_streams_in_different_slots(
+    cluster: LocalCluster,
+) -> None:
+    streams = spread_streams(cluster, f"upstream-{uuid.uuid4().hex[:6]}")
+    assert len(slot_groups({stream: ">" for stream in streams})) == 3
+    broker = RedisStreamClusterBroker(
+        cluster.url,
+        queue_name=streams[0],
+        additional_streams={stream: ">" for stream in streams[1:]},
+    )
+    await broker.startup()
+    try:
+        # CROSSSLOT, from the server or from redis-py before sending.
+        crossslot = (ClusterCrossSlotError, RedisClusterException)
+        with pytest.raises(crossslot, match=r"same (key )?slot"):
+            await broker.listen().__anext__()
+    finally:
+        await broker.shutdown()
+
+
+@bounded(60)
+async def test_streams_on_three_primaries_are_read_and_reclaimed(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    streams = spread_streams(cluster, f"spread-{uuid.uuid4().hex[:6]}")
+    first = await make_broker(cluster, streams, "first")
+    second = await make_broker(cluster, streams, "second")
+    bodies = await kick_all(first, streams, 3, "a")
+
+    doomed = Consumer(first, ack=False)
+    assert await doomed.wait_for(bodies, 10), doomed.bodies
+    await doomed.die()
+    died = time.monotonic()
+
+    survivor = Consumer(second)
+    recovered = await survivor.wait_for(bodies, RECLAIM_BOUND_S + 1)
+    assert recovered is not None, sorted(set(bodies) - set(survivor.bodies))
+    print(f"\n3 primaries: 9 entries reclaimed {recovered - died:.2f} s after the kill")
+    assert recovered - died <= RECLAIM_BOUND_S
+    await survivor.stop()
+
+    for stream in streams:
+        assert await pending(second, stream) == 0
+    for primary in cluster.primaries:
+        assert LIBRARY.name in libraries_on(primary)
+    assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+@bounded(60)
+async def test_entries_read_while_the_consumer_is_busy_are_heartbeated(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    # A read on another slot completes while nothing pulls from listen();
+    # its entry must be heartbeated from then on, or a claimer would take it
+    # from a live worker after idle_timeout.
+    streams = spread_streams(cluster, f"busy-{uuid.uuid4().hex[:6]}")
+    # A long claim interval: the reads started with the first delivery
+    # block until the next claim, which gives the second kick time to land.
+    busy = await make_broker(cluster, streams, "busy", claim_interval=900)
+    claimer = await make_broker(cluster, streams, "claimer")
+    listener = busy.listen()
+    await busy.kick(message("first", streams[0]))
+    received = await asyncio.wait_for(listener.__anext__(), 5)
+    assert received.data == b"first"
+    await busy.kick(message("second", streams[1]))
+
+    hungry = Consumer(claimer)
+    await asyncio.sleep(3 * IDLE_MS / 1000)
+    assert hungry.bodies == []
+    await hungry.stop()
+    assert streams[1] in busy.in_flight and busy.in_flight[streams[1]]
+    later = await asyncio.wait_for(listener.__anext__(), 5)
+    assert later.data == b"second"
+    await received.ack()
+    await later.ack()
+    await listener.aclose()
+
+
+@bounded(60)
+async def test_a_library_flushed_from_one_primary_is_loaded_again(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    streams = spread_streams(cluster, f"flush-{uuid.uuid4().hex[:6]}")
+    broker = await make_broker(cluster, streams, "only")
+    consumer = Consumer(broker)
+    assert await consumer.wait_for(await kick_all(broker, streams, 1, "a"), 10)
+    assert (
+        await broker.scripts.mode(SlotRoutedClient(broker.redis)) is LoadMode.FUNCTIONS
+    )
+    reloads = broker.scripts.reloads
+
+    flushed = cluster.node_for(streams[1])
+    with node_client(flushed) as client:
+        client.execute_command("FUNCTION FLUSH")
+    assert LIBRARY.name not in libraries_on(flushed)
+    # The next claim cycle on that primary finds the library gone.
+    for _ in range(100):
+        if broker.scripts.reloads > reloads:
+            break
+        await asyncio.sleep(0.05)
+    assert broker.scripts.reloads > reloads
+    assert await consumer.wait_for(await kick_all(broker, streams, 1, "b"), 10)
+    assert LIBRARY.name in libraries_on(flushed)
+    await consumer.stop()
+
+
+@bounded(60)
+async def test_dead_letters_stay_in_the_slot_of_their_stream(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    streams = spread_streams(cluster, f"dead-{uuid.uuid4().hex[:6]}")
+    first = await make_broker(cluster, streams, "first", max_deliveries=1)
+    second = await make_broker(cluster, streams, "second", max_deliveries=1)
+    bodies = await kick_all(first, streams, 1, "a")
+    doomed = Consumer(first, ack=False)
+    assert await doomed.wait_for(bodies, 10)
+    await doomed.die()
+
+    survivor = Consumer(second)
+    deadline = time.monotonic() + RECLAIM_BOUND_S + 2
+    dead_keys = [StreamKeys(stream, "taskiq").dead_letters for stream in streams]
+    while time.monotonic() < deadline:
+        lengths = [await second.redis.xlen(key) for key in dead_keys]
+        if lengths == [1, 1, 1]:
+            break
+        await asyncio.sleep(0.1)
+    assert lengths == [1, 1, 1]
+    assert survivor.bodies == []
+    for stream, key in zip(streams, dead_keys, strict=True):
+        assert key_slot(key.encode()) == key_slot(stream.encode())
+        assert await pending(second, stream) == 0
+    await survivor.stop()
+
+
+# A real `taskiq worker`, SIGKILLed mid-task on an idle queue.
+
+DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
+# As the standalone drill: worker start-up overlaps the idle wait.
+DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
+
+
+async def _drill_round(
+    cluster: LocalCluster,
+    events_server: LocalServer,
+    tmp_path: Path,
+    kill_primary: bool,
+) -> dict[str, float]:
+    queue = f"drill-{uuid.uuid4().hex[:8]}"
+    run = "round-0"
+    env = {
+        "TAC_TOPOLOGY": "cluster",
+        "TAC_TOPOLOGY_NODES": f"{HOST}:{cluster.primaries[0].port}",
+        "TAC_DRILL_QUEUE": queue,
+        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
+        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
+        "TAC_DRILL_EVENTS_URL": events_server.url,
+    }
+    events = EventLog(events_server.url, events_stream(queue))
+    kicker = AtomicRedisStreamClusterBroker(cluster.url, queue_name=queue)
+    times: dict[str, float] = {}
+    try:
+        # Before the first kick: a worker's start-up creates the group at
+        # "$", which would skip a message sent just before.
+        await kicker.redis.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        with DrillWorkers(env, tmp_path) as workers:
+            workers.start("doomed")
+            ready = await events.wait_for("ready", 30, worker="doomed")
+            assert ready is not None, workers.log("doomed")
+            await AsyncKicker(TASK_NAME, kicker, {}).kiq(run, 1.0)
+            delivered = await events.wait_for("started", 15, run, "doomed")
+            assert delivered is not None, workers.log("doomed")
+            victim = cluster.node_for(queue)
+            if kill_primary:
+                # What the doomed worker's delivery wrote must be on the
+                # replica, or the failover itself would lose it.
+                await asyncio.to_thread(
+                    wait_replicated,
+                    victim.port,
+                    [cluster.replica_for(victim).port],
+                )
+            workers.kill("doomed")
+            killed = time.monotonic()
+            if kill_primary:
+                cluster.kill(victim)
+            fresh_env = {}
+            if kill_primary:
+                # Its only startup node must be alive.
+                alive = next(n for n in cluster.primaries if n.alive)
+                fresh_env["TAC_TOPOLOGY_NODES"] = f"{HOST}:{alive.port}"
+            workers.start("fresh", **fresh_env)
+            if kill_primary:
+                replica = cluster.replica_for(victim)
+                times["promoted"] = await asyncio.to_thread(
+                    cluster.wait_promoted, replica
+                )
+            rerun = await events.wait_for("started", 40, run, "fresh")
+            assert rerun is not None, workers.log("fresh")
+            finished = await events.wait_for("finished", 15, run, "fresh")
+            assert finished is not None, workers.log("fresh")
+            times["kill_to_rerun"] = rerun - killed
+            times["delivery_to_rerun"] = rerun - delivered
+        assert await pending(kicker, queue) == 0
+    finally:
+        await kicker.shutdown()
+        await events.aclose()
+    return times
+
+
+@bounded(90)
+async def test_crash_drill_on_the_cluster_broker(
+    cluster: LocalCluster, events_server: LocalServer, tmp_path: Path
+) -> None:
+    times = await _drill_round(cluster, events_server, tmp_path, kill_primary=False)
+    print(
+        f"\ncluster drill: SIGKILL -> rerun {times['kill_to_rerun']:.2f} s"
+        f" (first delivery -> rerun {times['delivery_to_rerun']:.2f} s)"
+    )
+    assert times["kill_to_rerun"] <= DRILL_BOUND_S
+
+
+# Failover: these kill a primary, so each has a cluster of its own.
+
+
+@bounded(120)
+async def test_crash_drill_across_a_primary_failover(
+    own_cluster: LocalCluster, events_server: LocalServer, tmp_path: Path
+) -> None:
+    times = await _drill_round(own_cluster, events_server, tmp_path, kill_primary=True)
+    promoted = times["promoted"]
+    print(
+        f"\ncluster drill across failover: replica promoted {promoted:.2f} s after"
+        f" the kill; SIGKILL -> rerun {times['kill_to_rerun']:.2f} s"
+        f" (first delivery -> rerun {times['delivery_to_rerun']:.2f} s)"
+    )
+    # The claim waits for the promotion, then for the loop's outage backoff,
+    # which doubles and so can add up to the outage's length (capped at 5 s).
+    bound = max(DRILL_IDLE_MS / 1000, promoted + min(promoted, 5.0))
+    assert times["kill_to_rerun"] <= bound + DRILL_INTERVAL_MS / 1000 + 2.0
+
+
+@bounded(120)
+async def test_primary_killed_mid_run_claims_continue_nothing_lost(
+    own_cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    cluster = own_cluster
+    streams = spread_streams(cluster, "failover")
+    # The victim is the brokers' startup node and the first stream's primary.
+    victim = cluster.node_for(streams[0])
+    assert victim is cluster.primaries[0]
+    replica = cluster.replica_for(victim)
+    doomed_broker = await make_broker(cluster, streams, "doomed")
+    survivor_broker = await make_broker(cluster, streams, "survivor")
+
+    before = await kick_all(doomed_broker, streams, 4, "before")
+    doomed = Consumer(doomed_broker, ack=False)
+    assert await doomed.wait_for(before, 10)
+    await doomed.die()
+    for primary in cluster.primaries:
+        await asyncio.to_thread(
+            wait_replicated, primary.port, [cluster.replica_for(primary).port]
+        )
+
+    survivor = Consumer(survivor_broker)
+    killed = time.monotonic()
+    cluster.kill(victim)
+    # Streams on the live primaries keep flowing while the victim is down.
+    during = await kick_all(survivor_broker, streams[1:], 2, "during")
+    promoted = await asyncio.to_thread(cluster.wait_promoted, replica)
+    after = await kick_all(survivor_broker, streams, 2, "after")
+
+    everything = before | during | after
+    done = await survivor.wait_for(everything, 30)
+    assert done is not None, sorted(everything - set(survivor.bodies))
+    await survivor.stop()
+
+    def first_seen(bodies: set[str]) -> float:
+        return min(t for t, body in survivor.received if body in bodies) - killed
+
+    on_victim = {body for body in everything if body.startswith(streams[0] + "/")}
+    elsewhere = everything - on_victim
+    print(
+        f"\nprimary killed: replica promoted {promoted:.2f} s after the kill;"
+        f" first entry on the live primaries handled at {first_seen(elsewhere):.2f} s,"
+        f" first on the failed-over slot at {first_seen(on_victim):.2f} s,"
+        f" all {len(everything)} by {done - killed:.2f} s;"
+        f" {len(survivor.bodies) - len(set(survivor.bodies))} duplicates;"
+        f" library reloads {survivor_broker.scripts.reloads}"
+    )
+    # Functions replicate: the promoted replica already had the library.
+    assert LIBRARY.name in libraries_on(replica)
+    for stream in streams:
+        assert await pending(survivor_broker, stream) == 0
+    live = [
+        node.port for node in cluster.nodes if node.alive and node.role() == "master"
+    ]
+    assert unexpiring_keys(live) == []
+
+
+@bounded(120)
+async def test_a_primary_down_without_failover_stops_only_its_own_streams(
+    make_broker: Brokers,
+) -> None:
+    # No replicas and a node timeout longer than the test: the primary stays
+    # down and its slots stay assigned to it, as in the minutes before a
+    # production cluster (node timeout 15 s by default) fails one over.
+    with LocalCluster(
+        _need(REDIS_7, "Redis 7"), replicas=0, node_timeout=120_000
+    ) as cluster:
+        streams = spread_streams(cluster, "partial")
+        broker = await make_broker(cluster, streams, "only")
+        consumer = Consumer(broker)
+        assert await consumer.wait_for(await kick_all(broker, streams, 1, "a"), 10)
+        # Not the startup node: the client must still reach the others.
+        victim = cluster.node_for(streams[1])
+        cluster.kill(victim)
+        killed = time.monotonic()
+        alive = [s for s in streams if cluster.node_for(s) is not victim]
+        for round_number in range(3):
+            bodies = await kick_all(broker, alive, 1, f"down-{round_number}")
+            handled = await consumer.wait_for(bodies, 10)
+            assert handled is not None, sorted(bodies - set(consumer.bodies))
+            print(
+                f"\none primary down: round {round_number} on the other primaries"
+                f" handled {handled - killed:.2f} s after the kill"
+            )
+            await asyncio.sleep(1.0)
+        assert not consumer.task.done()
+        await consumer.stop()
+        await make_broker.shutdown_all()
+
+
+# Other servers.
+
+
+@bounded(90)
+async def test_redis_62_cluster_claims_with_cached_scripts(
+    make_broker: Brokers,
+) -> None:
+    with LocalCluster(_need(REDIS_62, "Redis 6.2"), replicas=0) as cluster:
+        streams = spread_streams(cluster, "scripts")
+        first = await make_broker(cluster, streams, "first")
+        second = await make_broker(cluster, streams, "second")
+        bodies = await kick_all(first, streams, 2, "a")
+        doomed = Consumer(first, ack=False)
+        assert await doomed.wait_for(bodies, 10)
+        await doomed.die()
+        for node in cluster.primaries:
+            with node_client(node) as client:
+                client.execute_command("SCRIPT FLUSH")
+        survivor = Consumer(second)
+        assert await survivor.wait_for(bodies, RECLAIM_BOUND_S + 1)
+        await survivor.stop()
+        assert second.scripts._mode is LoadMode.SCRIPTS
+        assert second.scripts.reloads >= 1
+        for stream in streams:
+            assert await pending(second, stream) == 0
+        await make_broker.shutdown_all()
+
+
+@pytest.mark.slow
+@bounded(90)
+async def test_valkey_cluster_reads_and_reclaims(make_broker: Brokers) -> None:
+    with LocalCluster(_need(VALKEY_8, "Valkey 8")) as cluster:
+        streams = spread_streams(cluster, "valkey")
+        first = await make_broker(cluster, streams, "first")
+        second = await make_broker(cluster, streams, "second")
+        bodies = await kick_all(first, streams, 2, "a")
+        doomed = Consumer(first, ack=False)
+        assert await doomed.wait_for(bodies, 10)
+        await doomed.die()
+        survivor = Consumer(second)
+        assert await survivor.wait_for(bodies, RECLAIM_BOUND_S + 1)
+        await survivor.stop()
+        for stream in streams:
+            assert await pending(second, stream) == 0
+        await make_broker.shutdown_all()
