@@ -1,36 +1,119 @@
-"""``taskiq-atomic-claim``: load and check the server-side library; the crash drill."""
+"""``taskiq-atomic-claim``: set up, inspect and repair; the crash drill.
+
+Every command that talks to a server gets its client from ``connect``, the
+one place that turns the connection options into a client.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim import __version__
 from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
+from taskiq_atomic_claim.doctor import (
+    DEFAULT_CONSUMER_IDLE_MS,
+    DEFAULT_LOCK_EXPIRY_MS,
+    DEFAULT_MAX_PENDING,
+    DEFAULT_STALE_PENDING_MS,
+    Diagnosis,
+    Thresholds,
+    apply_fixes,
+    diagnose,
+    worker_acl_rule,
+)
+from taskiq_atomic_claim.inspection import (
+    inspect_server,
+    inspection_to_json,
+    render_inspection,
+    server_version,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, ScriptRunner
+from taskiq_atomic_claim.settings import require_name
 
 PROG = "taskiq-atomic-claim"
+_SCHEMES = ("redis", "rediss", "unix")
 
 
 class CommandError(Exception):
     """A failure to report as one line, without a traceback."""
 
 
-def _client(url: str) -> Redis:
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """How to reach the server; the ``--url`` and TLS options of a command."""
+
+    url: str
+    tls_ca_cert: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ConnectionOptions:
+        return cls(
+            url=args.url,
+            tls_ca_cert=getattr(args, "tls_ca_cert", None),
+            tls_cert=getattr(args, "tls_cert", None),
+            tls_key=getattr(args, "tls_key", None),
+        )
+
+
+def add_connection_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--url", required=True, help="redis://, rediss:// (TLS) or unix:// URL"
+    )
+    tls = command.add_argument_group("TLS (rediss:// URLs)")
+    tls.add_argument("--tls-ca-cert", help="CA certificate file to verify the server")
+    tls.add_argument("--tls-cert", help="client certificate file (mutual TLS)")
+    tls.add_argument("--tls-key", help="client private key file (mutual TLS)")
+
+
+def connect(options: ConnectionOptions) -> Any:
+    """The client for ``options``: the one place clients are made.
+
+    Standalone servers only, for now; Cluster and Sentinel plug in here
+    (their options on ConnectionOptions, their clients returned from here).
+    """
+    url = options.url
+    scheme = urlsplit(url).scheme
+    if scheme not in _SCHEMES:
+        raise CommandError(
+            f"bad --url {url!r}: scheme must be one of"
+            f" {', '.join(s + '://' for s in _SCHEMES)}"
+        )
+    tls: dict[str, Any] = {}
+    for flag, value, name in (
+        ("--tls-ca-cert", options.tls_ca_cert, "ssl_ca_certs"),
+        ("--tls-cert", options.tls_cert, "ssl_certfile"),
+        ("--tls-key", options.tls_key, "ssl_keyfile"),
+    ):
+        if value is None:
+            continue
+        if scheme != "rediss":
+            raise CommandError(f"{flag} needs a rediss:// URL, got {url!r}")
+        if not Path(value).is_file():
+            raise CommandError(f"{flag}: no such file: {value!r}")
+        tls[name] = value
     try:
-        return Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+        return Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10, **tls)
     except ValueError as error:
         raise CommandError(f"bad --url {url!r}: {error}") from None
 
 
-async def _load(url: str) -> int:
-    async with _client(url) as client:
+async def _load(options: ConnectionOptions) -> int:
+    url = options.url
+    async with connect(options) as client:
         mode = await ScriptRunner().load(client)
     print(
         f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
@@ -40,8 +123,8 @@ async def _load(url: str) -> int:
     return 0
 
 
-async def _check(url: str) -> int:
-    async with _client(url) as client:
+async def _check(options: ConnectionOptions) -> int:
+    async with connect(options) as client:
         status = await ScriptRunner().status(client)
     others = (
         f"; other versions present: {', '.join(status.other_versions)}"
@@ -55,8 +138,10 @@ async def _check(url: str) -> int:
     return 0
 
 
-async def _dead_letters(url: str, keys: StreamKeys, count: int) -> int:
-    async with _client(url) as client:
+async def _dead_letters(
+    options: ConnectionOptions, keys: StreamKeys, count: int
+) -> int:
+    async with connect(options) as client:
         total = await client.exists(keys.dead_letters) and await client.xlen(
             keys.dead_letters
         )
@@ -73,8 +158,10 @@ async def _dead_letters(url: str, keys: StreamKeys, count: int) -> int:
     return 0
 
 
-async def _requeue(url: str, keys: StreamKeys, ids: list[str] | None) -> int:
-    async with _client(url) as client:
+async def _requeue(
+    options: ConnectionOptions, keys: StreamKeys, ids: list[str] | None
+) -> int:
+    async with connect(options) as client:
         moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
     for old, new in moved:
         print(f"requeued {old} -> {keys.stream} {new}")
@@ -88,6 +175,102 @@ async def _requeue(url: str, keys: StreamKeys, ids: list[str] | None) -> int:
     return 0
 
 
+async def _inspect(
+    options: ConnectionOptions,
+    streams: list[str] | None,
+    group: str | None,
+    as_json: bool,
+) -> int:
+    async with connect(options) as client:
+        inspection = await inspect_server(client, streams, group)
+    if as_json:
+        print(json.dumps(inspection_to_json(inspection), indent=2, sort_keys=False))
+    else:
+        print(render_inspection(inspection))
+    return 0
+
+
+def _report(diagnosis: Diagnosis, fixing: bool) -> None:
+    for finding in diagnosis.findings:
+        print(f"[{finding.kind}] {finding.subject}: {finding.problem}")
+        if finding.fixed:
+            print(f"    fixed: {finding.outcome}")
+        else:
+            if finding.outcome:
+                print(f"    not fixed: {finding.outcome}")
+            print(f"    what to do: {finding.advice}")
+    checked = (
+        f"{diagnosis.streams_checked} streams, {diagnosis.groups_checked} groups"
+        f" checked on {diagnosis.server_version}"
+    )
+    open_findings = [f for f in diagnosis.findings if not f.fixed]
+    fixed = len(diagnosis.findings) - len(open_findings)
+    if not diagnosis.findings:
+        print(f"healthy: {checked}")
+    elif not open_findings:
+        print(f"healthy after fixing {fixed}: {checked}")
+    else:
+        fixable = sum(f.fixable for f in open_findings)
+        hint = f" ({fixable} fixable with --fix)" if fixable and not fixing else ""
+        print(
+            f"{len(open_findings)} need attention{hint}"
+            f"{f', {fixed} fixed' if fixed else ''}: {checked}"
+        )
+
+
+async def _doctor(
+    options: ConnectionOptions,
+    streams: list[str] | None,
+    group: str | None,
+    thresholds: Thresholds,
+    fix: bool,
+) -> int:
+    async with connect(options) as client:
+        diagnosis = await diagnose(client, streams, group, thresholds, PROG)
+        if fix:
+            await apply_fixes(client, diagnosis, thresholds)
+    _report(diagnosis, fix)
+    return 0 if diagnosis.healthy else 1
+
+
+def _cli_argument(value: str) -> str:
+    """One argument as redis-cli reads it: quoted when it must be."""
+    if value and all(c.isprintable() and c not in " \"'\\" for c in value):
+        return value
+    escaped = "".join(
+        c
+        if c.isprintable() and c not in '"\\'
+        else ("\\" + c if c in '"\\' else "".join(f"\\x{b:02x}" for b in c.encode()))
+        for c in value
+    )
+    return f'"{escaped}"'
+
+
+async def _acl(
+    options: ConnectionOptions | None,
+    version: str | None,
+    streams: list[str],
+    group: str,
+    user: str,
+    reload: bool,
+) -> int:
+    if options is not None:
+        async with connect(options) as client:
+            version = await server_version(client)
+    version = version or "7.2"
+    try:
+        rule = worker_acl_rule(streams, group, version, reload=reload)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    print(
+        f"# a worker of queue {streams[0]!r}, group {group!r} on a {version} server;"
+        " replace CHANGE-ME with its password"
+    )
+    words = ["ACL", "SETUSER", user, "reset", "on", ">CHANGE-ME", *rule]
+    print(" ".join(_cli_argument(word) for word in words))
+    return 0
+
+
 def _drill(url: str | None, rounds: int, broker: str) -> int:
     # Imported here: the drill pulls in taskiq's worker machinery.
     from taskiq_atomic_claim.drill import main_drill  # noqa: PLC0415
@@ -97,7 +280,7 @@ def _drill(url: str | None, rounds: int, broker: str) -> int:
     )
 
     if url is not None:
-        _client(url)  # validates the URL before any worker starts
+        connect(ConnectionOptions(url))  # validates the URL before workers start
         report = main_drill(url, rounds, broker)
     else:
         try:
@@ -127,8 +310,49 @@ def _rounds(text: str) -> int:
     return value
 
 
+def _milliseconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of ms, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _name(option: str) -> Any:
+    def check(text: str) -> str:
+        try:
+            return require_name(option, text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return check
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description=(
             "Set up and check the server-side claim library used by"
@@ -144,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load this release's claim library on the server. Safe to"
         " repeat; other releases' libraries are left in place.",
     )
-    load.add_argument("--url", required=True, help="redis:// or rediss:// URL")
+    add_connection_options(load)
 
     check = commands.add_parser(
         "check",
@@ -152,12 +376,110 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exit 0 when this release's library is on the server,"
         " 1 when it is missing or only other versions are, 2 on errors.",
     )
-    check.add_argument("--url", required=True, help="redis:// or rediss:// URL")
+    add_connection_options(check)
 
     def stream_options(command: argparse.ArgumentParser) -> None:
-        command.add_argument("--url", required=True, help="redis:// or rediss:// URL")
-        command.add_argument("--queue", default="taskiq", help="stream (queue_name)")
-        command.add_argument("--group", default="taskiq", help="consumer group")
+        add_connection_options(command)
+        command.add_argument(
+            "--queue",
+            type=_name("--queue"),
+            default="taskiq",
+            help="stream (queue_name)",
+        )
+        command.add_argument(
+            "--group", type=_name("--group"), default="taskiq", help="consumer group"
+        )
+
+    def scope_options(command: argparse.ArgumentParser) -> None:
+        add_connection_options(command)
+        command.add_argument(
+            "--queue",
+            type=_name("--queue"),
+            action="append",
+            dest="queues",
+            help="stream to look at (repeatable); default: every stream found",
+        )
+        command.add_argument(
+            "--group", type=_name("--group"), help="only this consumer group"
+        )
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="show streams, groups, consumers, leases and dead letters",
+        description="Show per stream and consumer group: pending entries per"
+        " consumer and their idle times, the claim lease and cursor, dead"
+        " letters, and the library on the server. Read-only.",
+    )
+    scope_options(inspect)
+    inspect.add_argument(
+        "--json", action="store_true", help="stable JSON (see the inspection module)"
+    )
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="find what needs attention; --fix repairs what is safe to",
+        description="Check for no-expiry taskiq-redis <= 1.1.x locks, idle"
+        " empty consumers, a missing or outdated library, large or stale PELs,"
+        " dead letters and streams nobody consumes. Exit 0 healthy, 1 needs"
+        " attention, 2 on errors.",
+    )
+    scope_options(doctor)
+    doctor.add_argument(
+        "--fix",
+        action="store_true",
+        help="expire legacy locks, delete idle empty consumers, load the library",
+    )
+    doctor.add_argument(
+        "--consumer-idle-ms",
+        type=_milliseconds,
+        default=DEFAULT_CONSUMER_IDLE_MS,
+        help="a consumer with nothing pending idle this long is stale (default: 24 h)",
+    )
+    doctor.add_argument(
+        "--max-pending",
+        type=_count,
+        default=DEFAULT_MAX_PENDING,
+        help=f"PEL size that needs attention (default: {DEFAULT_MAX_PENDING})",
+    )
+    doctor.add_argument(
+        "--stale-pending-ms",
+        type=_milliseconds,
+        default=DEFAULT_STALE_PENDING_MS,
+        help="an entry pending this long means nobody reclaims (default: 1 h)",
+    )
+    doctor.add_argument(
+        "--lock-expiry-ms",
+        type=_milliseconds,
+        default=DEFAULT_LOCK_EXPIRY_MS,
+        help="expiry --fix gives legacy locks: the old workers' idle_timeout"
+        f" (default: {DEFAULT_LOCK_EXPIRY_MS})",
+    )
+
+    acl = commands.add_parser(
+        "acl",
+        help="print the ACL SETUSER line a worker needs",
+        description="Print the minimal ACL rule for a worker of these streams"
+        " and group. Give --url to read the server version, or --server-version.",
+    )
+    acl.add_argument("--url", help="read the server version from this server")
+    acl.add_argument("--server-version", help="e.g. 6.2, 7.0, 7.2 (default 7.2)")
+    acl.add_argument(
+        "--queue",
+        type=_name("--queue"),
+        action="append",
+        dest="queues",
+        help="queue_name, then each additional stream (repeatable; default taskiq)",
+    )
+    acl.add_argument(
+        "--group", type=_name("--group"), default="taskiq", help="consumer group"
+    )
+    acl.add_argument("--user", type=_name("--user"), default="taskiq-worker")
+    acl.add_argument(
+        "--no-reload",
+        action="store_true",
+        help="leave out FUNCTION LOAD / SCRIPT LOAD: run `load` after every"
+        " restart or flush instead",
+    )
 
     dead = commands.add_parser(
         "dead-letters",
@@ -197,17 +519,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_command(args: argparse.Namespace) -> Any:
+    """The coroutine of a command that talks to one server."""
+    options = ConnectionOptions.from_args(args)
+    keys = StreamKeys(args.queue, args.group) if hasattr(args, "queue") else None
+    if args.command == "inspect":
+        return _inspect(options, args.queues, args.group, args.json)
+    if args.command == "doctor":
+        thresholds = Thresholds(
+            consumer_idle_ms=args.consumer_idle_ms,
+            max_pending=args.max_pending,
+            stale_pending_ms=args.stale_pending_ms,
+            lock_expiry_ms=args.lock_expiry_ms,
+        )
+        return _doctor(options, args.queues, args.group, thresholds, args.fix)
+    if args.command == "load":
+        return _load(options)
+    if args.command == "check":
+        return _check(options)
+    assert keys is not None
+    if args.command == "requeue":
+        return _requeue(options, keys, args.ids)
+    return _dead_letters(options, keys, args.count)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "drill":
         return _drill(args.url, args.rounds, args.broker)
-    if args.command == "load":
-        return asyncio.run(_load(args.url))
-    if args.command == "check":
-        return asyncio.run(_check(args.url))
-    keys = StreamKeys(args.queue, args.group)
-    if args.command == "requeue":
-        return asyncio.run(_requeue(args.url, keys, args.ids))
-    return asyncio.run(_dead_letters(args.url, keys, args.count))
+    if args.command == "acl":
+        options = None if args.url is None else ConnectionOptions(args.url)
+        return asyncio.run(
+            _acl(
+                options,
+                args.server_version,
+                args.queues or ["taskiq"],
+                args.group,
+                args.user,
+                not args.no_reload,
+            )
+        )
+    result: int = asyncio.run(_server_command(args))
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

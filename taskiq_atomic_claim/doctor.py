@@ -1,0 +1,430 @@
+"""Health checks behind ``doctor``, their fixes, and the ACL a worker needs.
+
+Findings, each with what to do (``--fix`` fixes those marked fixable):
+
+- ``legacy-lock`` (fixable): an ``autoclaim:*`` key without an expiry, left
+  by a taskiq-redis <= 1.1.x worker killed inside its claim lock; it blocks
+  those workers' reclaim forever. The fix gives it an expiry (the idle
+  timeout by default) instead of deleting it: a live old worker may hold it
+  this very moment, and it will have released it long before then.
+- ``idle-consumer`` (fixable): a consumer with nothing pending that has not
+  talked to the server for longer than a threshold; every restart of a
+  worker with a random consumer name leaves one. The fix deletes it
+  (XGROUP DELCONSUMER), atomically only if it still has nothing pending.
+- ``library`` (fixable): this release's script library is missing or only
+  other versions are loaded. The fix loads it.
+- ``pel-size``: a PEL past a threshold: workers fall behind or keep dying.
+- ``stale-pending``: an entry pending for far longer than any idle timeout:
+  nobody reclaims this group (no worker runs, or only taskiq-redis 1.2.x
+  workers, which never reclaim on an idle queue).
+- ``dead-letters``: entries the group gave up on wait for a person.
+- ``missing-stream`` / ``no-group``: a named stream that does not exist, a
+  stream without the named group, or (when discovering) without any group:
+  nothing consumes it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from taskiq_atomic_claim.inspection import (
+    MAX_SCAN_CALLS,
+    SCAN_COUNT,
+    duration,
+    inspect_server,
+    text,
+)
+from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
+
+# taskiq-redis's RedisStreamBroker default idle_timeout (ms).
+DEFAULT_LOCK_EXPIRY_MS = 600_000
+DEFAULT_CONSUMER_IDLE_MS = 24 * 3600 * 1000
+DEFAULT_MAX_PENDING = 10_000
+DEFAULT_STALE_PENDING_MS = 3600 * 1000
+LEGACY_LOCK_PATTERN = "autoclaim:*"
+MAX_LEGACY_LOCKS = 10_000
+
+# Deletes a consumer only while it has nothing pending, in one atomic step:
+# checking first and deleting after would drop entries it read in between
+# from the PEL, and nothing would ever reclaim them.
+# KEYS[1] stream; ARGV[1] group; ARGV[2] consumer. Returns -1 when the
+# consumer has pending entries (left alone), else what DELCONSUMER returns.
+_DELETE_IDLE_CONSUMER = """
+if #redis.call("XPENDING", KEYS[1], ARGV[1], "-", "+", 1, ARGV[2]) > 0 then
+  return -1
+end
+return redis.call("XGROUP", "DELCONSUMER", KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    consumer_idle_ms: int = DEFAULT_CONSUMER_IDLE_MS
+    max_pending: int = DEFAULT_MAX_PENDING
+    stale_pending_ms: int = DEFAULT_STALE_PENDING_MS
+    lock_expiry_ms: int = DEFAULT_LOCK_EXPIRY_MS
+
+
+@dataclass
+class Finding:
+    kind: str
+    subject: str
+    problem: str
+    advice: str
+    fixable: bool = False
+    # What the fix acts on.
+    key: str | None = None
+    stream: str | None = None
+    group: str | None = None
+    consumer: str | None = None
+    # Set by apply_fixes.
+    fixed: bool = False
+    outcome: str | None = None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    server_version: str
+    streams_checked: int
+    groups_checked: int
+    findings: list[Finding]
+
+    @property
+    def healthy(self) -> bool:
+        return all(finding.fixed for finding in self.findings)
+
+
+async def find_legacy_locks(client: Any) -> tuple[list[str], bool]:
+    """``autoclaim:*`` strings without an expiry; True when the scan was cut."""
+    found: list[str] = []
+    cursor: Any = 0
+    for _ in range(MAX_SCAN_CALLS):
+        cursor, keys = await client.scan(
+            cursor, match=LEGACY_LOCK_PATTERN, count=SCAN_COUNT, _type="string"
+        )
+        for key in keys:
+            if int(await client.pttl(key)) == -1:
+                found.append(text(key))
+        if int(cursor) == 0:
+            return sorted(found), False
+        if len(found) >= MAX_LEGACY_LOCKS:
+            break
+    return sorted(found), True
+
+
+async def diagnose(
+    client: Any,
+    streams: list[str] | None = None,
+    group: str | None = None,
+    thresholds: Thresholds | None = None,
+    prog: str = "taskiq-atomic-claim",
+) -> Diagnosis:
+    limits = thresholds or Thresholds()
+    inspection = await inspect_server(client, streams, group)
+    findings: list[Finding] = []
+
+    library = inspection.library
+    if library.state != LibraryState.CURRENT.value:
+        others = (
+            f" (loaded: {', '.join(library.other_versions)})"
+            if library.other_versions
+            else ""
+        )
+        findings.append(
+            Finding(
+                "library",
+                library.name,
+                f"this release's library is {library.state}{others}",
+                f"run `{prog} load --url URL` (workers also load it on demand"
+                " if their ACL allows FUNCTION LOAD / SCRIPT LOAD)",
+                fixable=True,
+            )
+        )
+
+    locks, cut = await find_legacy_locks(client)
+    for key in locks:
+        findings.append(
+            Finding(
+                "legacy-lock",
+                key,
+                "no expiry: left by a taskiq-redis <= 1.1.x worker killed inside"
+                " its claim lock; old workers never reclaim while it exists",
+                f"`{prog} doctor --fix` gives it a {duration(limits.lock_expiry_ms)}"
+                " expiry (--lock-expiry-ms); upgrade those workers",
+                fixable=True,
+                key=key,
+            )
+        )
+    if cut:
+        findings.append(
+            Finding(
+                "legacy-lock",
+                LEGACY_LOCK_PATTERN,
+                f"more than {len(locks)} keys to check; the scan stopped",
+                "run doctor again after --fix",
+            )
+        )
+
+    groups_checked = 0
+    for stream in inspection.streams:
+        if stream.type not in ("stream", "none"):
+            findings.append(
+                Finding(
+                    "missing-stream",
+                    stream.name,
+                    f"key holds a {stream.type}, not a stream",
+                    "pick another queue_name or remove that key",
+                )
+            )
+            continue
+        if stream.type == "none":
+            findings.append(
+                Finding(
+                    "missing-stream",
+                    stream.name,
+                    "stream does not exist",
+                    "start a worker on it (it creates stream and group), or"
+                    " check the --queue name",
+                )
+            )
+        elif not stream.groups:
+            findings.append(
+                Finding(
+                    "no-group",
+                    stream.name,
+                    f"{stream.length} entries and no consumer group: nothing"
+                    " consumes this stream",
+                    "start a worker (it creates its group), or ignore if the"
+                    " stream is not a task queue",
+                )
+            )
+        for view in stream.groups:
+            subject = f"{stream.name} / {view.name}"
+            if not view.exists:
+                if stream.type == "stream":
+                    findings.append(
+                        Finding(
+                            "no-group",
+                            subject,
+                            "the stream has no such consumer group",
+                            "start a worker with this consumer_group_name, or"
+                            f" XGROUP CREATE {stream.name} {view.name} 0 to"
+                            " deliver what is already there",
+                        )
+                    )
+                continue
+            groups_checked += 1
+            findings += _group_findings(stream.name, view, limits, prog)
+    return Diagnosis(
+        inspection.server_version,
+        len(inspection.streams),
+        groups_checked,
+        findings,
+    )
+
+
+def _group_findings(
+    stream: str, view: Any, limits: Thresholds, prog: str
+) -> Iterable[Finding]:
+    subject = f"{stream} / {view.name}"
+    if view.pending > limits.max_pending:
+        yield Finding(
+            "pel-size",
+            subject,
+            f"{view.pending} pending entries (threshold {limits.max_pending})",
+            "workers fall behind or keep dying: check worker logs and"
+            " dead letters, add workers (--max-pending to tune)",
+        )
+    oldest = view.oldest_pending_idle_ms
+    if oldest is not None and oldest > limits.stale_pending_ms:
+        yield Finding(
+            "stale-pending",
+            subject,
+            f"an entry has been pending for {duration(oldest)}: nobody reclaims"
+            " this group",
+            "start AtomicRedisStreamBroker workers (taskiq-redis 1.2.x never"
+            " reclaims on an idle queue) (--stale-pending-ms to tune)",
+        )
+    if view.dead_letters:
+        yield Finding(
+            "dead-letters",
+            subject,
+            f"{view.dead_letters} dead letters in {view.dead_letters_key}",
+            f"review: `{prog} dead-letters --queue ... --group ...`; then"
+            f" `{prog} requeue ... --all` or delete them",
+        )
+    for consumer in view.consumers:
+        if consumer.pending == 0 and consumer.idle_ms > limits.consumer_idle_ms:
+            yield Finding(
+                "idle-consumer",
+                f"{subject} / {consumer.name}",
+                f"nothing pending and idle for {duration(consumer.idle_ms)}",
+                f"`{prog} doctor --fix` deletes it (--consumer-idle-ms to tune)",
+                fixable=True,
+                stream=stream,
+                group=view.name,
+                consumer=consumer.name,
+            )
+
+
+async def apply_fixes(
+    client: Any, diagnosis: Diagnosis, thresholds: Thresholds | None = None
+) -> None:
+    """Fix what is fixable, recording each outcome on its finding."""
+    limits = thresholds or Thresholds()
+    major = int(diagnosis.server_version.split(".", 1)[0] or 0)
+    for finding in diagnosis.findings:
+        if not finding.fixable:
+            continue
+        if finding.kind == "library":
+            mode = await ScriptRunner().load(client)
+            finding.fixed, finding.outcome = True, f"loaded as {mode.value}"
+        elif finding.kind == "legacy-lock" and finding.key is not None:
+            finding.fixed, finding.outcome = await _expire_lock(
+                client, finding.key, limits.lock_expiry_ms, major
+            )
+        elif finding.kind == "idle-consumer":
+            finding.fixed, finding.outcome = await _delete_consumer(client, finding)
+
+
+async def _expire_lock(
+    client: Any, key: str, expiry_ms: int, major: int
+) -> tuple[bool, str]:
+    # NX (Redis >= 7) never shortens an expiry an old worker set meanwhile;
+    # on 6.2 the race is harmless: such a lock lives a round trip.
+    args: list[Any] = ["PEXPIRE", key, expiry_ms]
+    if major >= 7:
+        args.append("NX")
+    set_now = await client.execute_command(*args)
+    if set_now:
+        return True, f"expires in {duration(expiry_ms)}"
+    if int(await client.pttl(key)) == -2:
+        return True, "already gone"
+    return True, "already has an expiry"
+
+
+async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
+    reply = await client.eval(
+        _DELETE_IDLE_CONSUMER, 1, finding.stream, finding.group, finding.consumer
+    )
+    if int(reply) == -1:
+        return False, "it read entries meanwhile; left alone"
+    return True, "deleted"
+
+
+# The ACL a worker needs.
+
+WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("xreadgroup", "read new entries"),
+    ("xack", "acknowledge"),
+    ("xadd", "kick; dead letters (inside the scripts)"),
+    ("xgroup|create", "create the group at startup and after it vanished"),
+    ("type", "refuse to start on a key that is not a stream"),
+    ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
+    ("xautoclaim", "inside claim"),
+    ("xpending", "inside claim, set_idle, dead_letter"),
+    ("xclaim", "inside set_idle (heartbeat, hand back)"),
+    ("xrange", "inside claim, dead_letter"),
+    ("get", "inside claim: lease holder, cursor"),
+    ("set", "inside claim: lease, cursor (always with PX)"),
+    ("del", "inside claim: finished cursor"),
+    ("pttl", "inside claim: lease lifetime"),
+    ("pexpire", "inside claim: bound a lease written without expiry"),
+)
+FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
+SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
+# redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
+# CLIENT MAINT_NOTIFICATIONS. It ignores a refusal, so these are not needed;
+# granting them keeps every connect out of ACL LOG. A server checks ACL before
+# looking up the subcommand only on 6.2 (which grants any name); 7.x rejects
+# unknown subcommands, and grants setinfo from 7.2 on.
+HANDSHAKE_62 = ("client|setinfo", "client|maint_notifications")
+HANDSHAKE_72 = ("client|setinfo",)
+
+WORKER_ACL = f"""The ACL a worker needs, per queue (or additional stream) S and group G.
+
+Keys: ~S, ~{PREFIX}:lease:{{S}}:G, ~{PREFIX}:cursor:{{S}}:G,
+~{PREFIX}:dead:{{S}}:G ({{S}} is S itself when S has a hash tag), glob
+characters in names escaped and whitespace, which ACL patterns cannot hold,
+matched by ?. No channels. Commands: {", ".join("+" + c for c, _ in WORKER_COMMANDS)},
+plus +fcall +function|load on Redis/Valkey >= 7 or +evalsha +script|load on
+6.2, plus (optional, only so redis-py's connect is not logged as refused)
++client|setinfo on 6.2 and >= 7.2, +client|maint_notifications on 6.2.
+Scripts run with the caller's
+ACL, so every command they issue is listed. Without +function|load /
++script|load a worker cannot reload a library lost to a restart or flush:
+then run `load` after every such event.
+"""
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+_SPACE = re.compile(r"\s")
+
+
+def acl_pattern(name: str) -> str:
+    """A key name as an ACL pattern matching it (and, for whitespace, a bit more)."""
+    return _SPACE.sub("?", _GLOB.sub(r"\\\1", name))
+
+
+def worker_key_patterns(
+    streams: Sequence[str], group: str, *, literal: bool = True
+) -> list[str]:
+    """``~`` rules for the streams and their keys; ``literal`` False takes the
+    names as ready-made glob patterns (e.g. ``drill-*``)."""
+    patterns: list[str] = []
+    for stream in streams:
+        keys = StreamKeys(stream, group)
+        for key in (stream, keys.lease, keys.cursor, keys.dead_letters):
+            patterns.append("~" + (acl_pattern(key) if literal else key))
+    return list(dict.fromkeys(patterns))
+
+
+def _version(server_version: str) -> tuple[int, int]:
+    parts = [*server_version.split("."), "0", "0"][:2]
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(
+            f"server version must look like 7.2, got {server_version!r}"
+        ) from None
+
+
+def worker_commands(
+    server_version: str, *, reload: bool = True, handshake: bool = True
+) -> list[str]:
+    """``+command`` rules for a server of that version (``INFO`` redis_version)."""
+    major, minor = _version(server_version)
+    calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
+    names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
+    if reload:
+        names.append(calls[1][0])
+    if handshake and major < 7:
+        names += HANDSHAKE_62
+    elif handshake and (major, minor) >= (7, 2):
+        names += HANDSHAKE_72
+    return ["+" + name for name in names]
+
+
+def worker_acl_rule(
+    streams: Sequence[str],
+    group: str,
+    server_version: str,
+    *,
+    reload: bool = True,
+    handshake: bool = True,
+    literal: bool = True,
+) -> list[str]:
+    """The ACL SETUSER rules (after the user's name and password) for a worker
+    reading ``streams`` (queue_name first, then additional_streams) as
+    ``group``; see ``WORKER_ACL``."""
+    if not streams:
+        raise ValueError("streams must name at least the queue")
+    return [
+        "resetchannels",
+        *worker_key_patterns(streams, group, literal=literal),
+        "-@all",
+        *worker_commands(server_version, reload=reload, handshake=handshake),
+    ]

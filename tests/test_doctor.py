@@ -1,0 +1,321 @@
+"""``doctor`` against real servers; a fleet of taskiq-redis and atomic workers."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from redis.asyncio import Redis
+from taskiq import AckableMessage
+from taskiq.message import BrokerMessage
+from taskiq_redis import RedisStreamBroker
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.doctor import Finding, Thresholds, apply_fixes, diagnose
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
+from tests.conftest import Server
+
+KEYS = StreamKeys("jobs", "workers")
+LEGACY = "autoclaim:workers:jobs"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def healthy_group(redis: Redis) -> None:
+    await ScriptRunner().load(redis)
+    await redis.xgroup_create(KEYS.stream, KEYS.group, id="0", mkstream=True)
+    await redis.xadd(KEYS.stream, {"data": "done"})
+    [(_, [(entry_id, _)])] = await redis.xreadgroup(
+        KEYS.group, "worker", {KEYS.stream: ">"}
+    )
+    await redis.xack(KEYS.stream, KEYS.group, entry_id)
+
+
+def kinds(findings: list[Finding]) -> list[str]:
+    return sorted(finding.kind for finding in findings)
+
+
+async def test_a_healthy_server_exits_0(server: Server, redis: Redis) -> None:
+    await healthy_group(redis)
+    result = cli("doctor", "--url", server.url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("healthy: 1 streams, 1 groups checked")
+
+
+async def test_fix_gives_a_legacy_lock_an_expiry_instead_of_deleting_it(
+    server: Server, redis: Redis, planted_keys: set[str]
+) -> None:
+    await healthy_group(redis)
+    planted_keys.add(LEGACY)
+    # What taskiq-redis 1.1.x leaves when killed inside its claim lock.
+    await redis.set(LEGACY, "token-of-a-dead-worker")
+    await redis.set("autoclaim:expiring", "live-lock", px=60_000)
+    found = cli("doctor", "--url", server.url)
+    assert found.returncode == 1
+    assert f"[legacy-lock] {LEGACY}: no expiry" in found.stdout
+    assert "autoclaim:expiring" not in found.stdout
+    assert "1 need attention (1 fixable with --fix)" in found.stdout
+
+    fixed = cli("doctor", "--url", server.url, "--fix", "--lock-expiry-ms", "5000")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "fixed: expires in 5.0 s" in fixed.stdout
+    assert "healthy after fixing 1" in fixed.stdout
+    assert await redis.get(LEGACY) == b"token-of-a-dead-worker"
+    assert 0 < await redis.pttl(LEGACY) <= 5000
+    assert 5000 < await redis.pttl("autoclaim:expiring") <= 60_000
+    again = cli("doctor", "--url", server.url)
+    assert again.returncode == 0, again.stdout
+
+
+async def test_fix_deletes_idle_consumers_with_nothing_pending_only(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    await redis.xadd(KEYS.stream, {"data": "held"})
+    await redis.xreadgroup(KEYS.group, "busy", {KEYS.stream: ">"})
+    await redis.xgroup_createconsumer(KEYS.stream, KEYS.group, "gone")
+    await asyncio.sleep(0.05)
+    limits = Thresholds(consumer_idle_ms=10)
+    diagnosis = await diagnose(redis, ["jobs"], thresholds=limits)
+    idle = [f for f in diagnosis.findings if f.kind == "idle-consumer"]
+    # "worker" acked everything and "gone" never read; "busy" holds an entry.
+    assert sorted(f.consumer or "" for f in idle) == ["gone", "worker"]
+    assert all(f.fixable for f in idle)
+    await apply_fixes(redis, diagnosis, limits)
+    assert diagnosis.healthy
+    names = [c["name"] for c in await redis.xinfo_consumers("jobs", "workers")]
+    assert names == [b"busy"]
+
+
+async def test_a_consumer_that_read_meanwhile_is_not_deleted(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    await asyncio.sleep(0.02)
+    diagnosis = await diagnose(redis, ["jobs"], thresholds=Thresholds(1))
+    [stale] = [f for f in diagnosis.findings if f.kind == "idle-consumer"]
+    # Between diagnosis and fix the consumer comes back and reads an entry:
+    # deleting it now would drop that entry from the PEL for good.
+    await redis.xadd(KEYS.stream, {"data": "new"})
+    await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
+    await apply_fixes(redis, diagnosis)
+    assert not stale.fixed
+    assert stale.outcome == "it read entries meanwhile; left alone"
+    assert (await redis.xpending(KEYS.stream, KEYS.group))["pending"] == 1
+    assert not diagnosis.healthy
+
+
+async def test_fix_loads_a_missing_library(server: Server, redis: Redis) -> None:
+    await healthy_group(redis)
+    await redis.execute_command("SCRIPT", "FLUSH")
+    if server.major >= 7:
+        await redis.execute_command("FUNCTION", "FLUSH")
+    found = cli("doctor", "--url", server.url)
+    assert found.returncode == 1
+    assert "[library]" in found.stdout and "missing" in found.stdout
+    fixed = cli("doctor", "--url", server.url, "--fix")
+    assert fixed.returncode == 0, fixed.stdout
+    assert (await ScriptRunner().status(redis)).state is LibraryState.CURRENT
+
+
+async def test_what_needs_a_person_stays_non_zero_after_fix(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    for number in range(3):
+        await redis.xadd(KEYS.stream, {"data": f"m{number}"})
+    await redis.xreadgroup(KEYS.group, "slow", {KEYS.stream: ">"})
+    await redis.xadd(KEYS.dead_letters, {"data": "poison"})
+    await redis.xadd("orphan", {"data": "nobody reads me"})
+    await asyncio.sleep(0.05)
+    limits = Thresholds(max_pending=2, stale_pending_ms=10)
+    diagnosis = await diagnose(redis, thresholds=limits)
+    assert kinds(diagnosis.findings) == [
+        "dead-letters",
+        "no-group",
+        "pel-size",
+        "stale-pending",
+    ]
+    await apply_fixes(redis, diagnosis, limits)
+    assert not diagnosis.healthy
+    result = cli(
+        "doctor",
+        "--url",
+        server.url,
+        "--fix",
+        "--max-pending",
+        "2",
+        "--stale-pending-ms",
+        "10",
+    )
+    assert result.returncode == 1
+    out = result.stdout
+    assert "[pel-size] jobs / workers: 3 pending entries (threshold 2)" in out
+    assert "[stale-pending] jobs / workers" in out
+    assert "[dead-letters] jobs / workers: 1 dead letters" in out
+    assert "[no-group] orphan" in out
+    assert out.count("what to do:") == 4
+    assert "4 need attention:" in out
+
+
+async def test_named_streams_and_groups_that_do_not_exist(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    diagnosis = await diagnose(redis, ["jobs", "nowhere"], "workers")
+    assert kinds(diagnosis.findings) == ["missing-stream"]
+    assert diagnosis.findings[0].subject == "nowhere"
+    diagnosis = await diagnose(redis, ["jobs"], "other-group")
+    [finding] = diagnosis.findings
+    assert (finding.kind, finding.subject) == ("no-group", "jobs / other-group")
+    assert "XGROUP CREATE jobs other-group 0" in finding.advice
+
+
+def test_bad_inputs_are_one_line_and_exit_2() -> None:
+    url = "redis://127.0.0.1:1"
+    for args in (
+        ["doctor", "--url", "ftp://nowhere"],
+        ["doctor", "--url", url, "--consumer-idle-ms", "soon"],
+        ["doctor", "--url", url, "--consumer-idle-ms", "0"],
+        ["doctor", "--url", url, "--max-pending", "-1"],
+        ["doctor", "--url", url, "--lock-expiry-ms", "1.5"],
+        ["doctor", "--url", url, "--queue="],
+        ["doctor", "--url", url],  # nothing listens there
+    ):
+        result = cli(*args)
+        assert result.returncode == 2, (args, result.stdout)
+        assert "Traceback" not in result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
+
+
+# Migrating: taskiq-redis workers and ours on one stream.
+
+IDLE_MS = 500
+
+
+def message(body: str) -> BrokerMessage:
+    return BrokerMessage(task_id=body, task_name="t", message=body.encode(), labels={})
+
+
+class Listener:
+    """A worker's listen(), read with timeouts that do not end it.
+
+    Cancelling ``__anext__`` (as ``wait_for`` does on timeout) would close
+    the generator; here a pending read simply carries over to the next call.
+    """
+
+    def __init__(self, generator: AsyncGenerator[AckableMessage, None]) -> None:
+        self.generator = generator
+        self.next: asyncio.Future[AckableMessage] | None = None
+
+    async def pull(self, timeout: float) -> AckableMessage | None:
+        if self.next is None:
+            self.next = asyncio.ensure_future(self.generator.__anext__())
+        done, _ = await asyncio.wait({self.next}, timeout=timeout)
+        if not done:
+            return None
+        result, self.next = self.next.result(), None
+        return result
+
+    async def die(self) -> None:
+        """Stop reading, no ack: what SIGKILL does to a worker in-process."""
+        if self.next is not None:
+            self.next.cancel()
+            await asyncio.wait({self.next})
+        await self.generator.aclose()
+
+
+async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
+    server: Server, redis: Redis
+) -> None:
+    # The `redis` fixture fails the test if any non-stream key is left
+    # without an expiry: taskiq-redis 1.2.4 takes and releases its lock in
+    # one MULTI, and the atomic broker's keys always expire.
+    started: list[Any] = []
+
+    async def worker(kind: str, name: str) -> Any:
+        common: dict[str, Any] = {"idle_timeout": IDLE_MS, "xread_block": 200}
+        if kind == "old":
+            broker: Any = RedisStreamBroker(server.url, consumer_name=name, **common)
+        else:
+            broker = AtomicRedisStreamBroker(
+                server.url, consumer_name=name, claim_interval=100, **common
+            )
+        await broker.startup()
+        started.append(broker)
+        return broker
+
+    try:
+        # Both read at once: every message runs at least once. Old workers
+        # do not heartbeat what they prefetched, so a new one may reclaim
+        # and run such a message again once it waited idle_timeout, exactly
+        # as another old worker would.
+        old, new = await worker("old", "old-1"), await worker("new", "new-1")
+        listeners = [Listener(old.listen()), Listener(new.listen())]
+        for number in range(6):
+            await (old if number % 2 else new).kick(message(f"a{number}"))
+        seen: set[bytes] = set()
+        for _ in range(40):
+            got = [await listener.pull(0.2) for listener in listeners]
+            for item in got:
+                if item is not None:
+                    seen.add(item.data)
+                    await item.ack()
+            if len(seen) == 6 and got == [None, None]:
+                break
+        assert seen == {f"a{n}".encode() for n in range(6)}
+        for listener in listeners:
+            await listener.die()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+
+        # An old worker dies holding a message; a new one reclaims it.
+        old = await worker("old", "old-2")
+        dying = Listener(old.listen())
+        await old.kick(message("held-by-old"))
+        got_old = await dying.pull(2)
+        assert got_old is not None and got_old.data == b"held-by-old"
+        await dying.die()
+        new = await worker("new", "new-2")
+        reclaimer = Listener(new.listen())
+        got_new = await reclaimer.pull(IDLE_MS / 1000 + 3)
+        assert got_new is not None and got_new.data == b"held-by-old"
+        await got_new.ack()
+        await reclaimer.die()
+
+        # A new worker dies holding a message; an old one reclaims it, as
+        # taskiq-redis does: after a read that returned something.
+        new = await worker("new", "new-3")
+        dying = Listener(new.listen())
+        await new.kick(message("held-by-new"))
+        got_new = await dying.pull(2)
+        assert got_new is not None and got_new.data == b"held-by-new"
+        await dying.die()
+        await new.stop_heartbeat()
+        new.in_flight.clear()  # dead: it hands nothing back
+        await asyncio.sleep(IDLE_MS / 1000 + 0.1)
+        old = await worker("old", "old-3")
+        reclaimer = Listener(old.listen())
+        await old.kick(message("traffic"))
+        taken = [await reclaimer.pull(2) for _ in range(2)]
+        assert sorted(m.data for m in taken if m) == [b"held-by-new", b"traffic"]
+        for item in taken:
+            assert item is not None
+            await item.ack()
+        await reclaimer.die()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert await redis.keys("autoclaim:*") == []
+    finally:
+        for broker in started:
+            await broker.shutdown()
