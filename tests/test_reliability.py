@@ -29,6 +29,22 @@ async def started(server: Server, **kwargs: Any) -> AtomicRedisStreamBroker:
     return broker
 
 
+async def group_recreated(redis: Redis) -> None:
+    """Wait (bounded) until a broker has recreated the stream and its group."""
+    for _ in range(100):
+        if await redis.exists("taskiq") and await redis.xinfo_groups("taskiq"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the broker never recreated its consumer group")
+
+
+async def kill_other_connections(redis: Redis) -> None:
+    await redis.client_setname("test-admin")
+    for client in await redis.client_list():
+        if client["name"] != "test-admin":
+            await redis.client_kill_filter(_id=client["id"])
+
+
 async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     server: Server, redis: Redis
 ) -> None:
@@ -130,10 +146,7 @@ async def test_server_restart_without_persistence_mid_run(
         server.restart()  # scripts, functions, stream and group all gone
         await redis.connection_pool.disconnect()  # the test's own client
         nxt = asyncio.ensure_future(listener.__anext__())
-        for _ in range(100):  # the broker recreates the group; wait for it
-            if await redis.exists("taskiq") and await redis.xinfo_groups("taskiq"):
-                break
-            await asyncio.sleep(0.05)
+        await group_recreated(redis)
         await broker.kick(message("after"))
         after = await asyncio.wait_for(nxt, 10)
         assert after.data == b"after"
@@ -176,10 +189,7 @@ async def test_killed_connections_do_not_end_listen(
         listener = broker.listen()
         nxt = asyncio.ensure_future(listener.__anext__())
         await asyncio.sleep(0.3)
-        await redis.client_setname("test-admin")
-        for client in await redis.client_list():
-            if client["name"] != "test-admin":
-                await redis.client_kill_filter(_id=client["id"])
+        await kill_other_connections(redis)
         await broker.kick(message("after-kill"))
         received = await asyncio.wait_for(nxt, 10)
         assert received.data == b"after-kill"
@@ -203,10 +213,7 @@ async def test_an_outage_is_one_log_line_and_listen_survives(
         await asyncio.sleep(1.5)
         server.local.start()
         await redis.connection_pool.disconnect()  # the test's own client
-        for _ in range(100):
-            if await redis.exists("taskiq") and await redis.xinfo_groups("taskiq"):
-                break
-            await asyncio.sleep(0.05)
+        await group_recreated(redis)
         await broker.kick(message("back"))
         received = await asyncio.wait_for(nxt, 15)
         assert received.data == b"back"
@@ -241,10 +248,7 @@ async def test_ack_rides_out_a_dropped_connection(server: Server, redis: Redis) 
         await broker.kick(message("ack-after-drop"))
         received = await receive(broker.listen(), 2)
         assert received is not None
-        await redis.client_setname("test-admin")
-        for client in await redis.client_list():
-            if client["name"] != "test-admin":
-                await redis.client_kill_filter(_id=client["id"])
+        await kill_other_connections(redis)
         await received.ack()
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert broker.in_flight["taskiq"] == set()
