@@ -150,29 +150,19 @@ class ReclaimingListener:
         read_from = {self.queue_name: ">", **self.additional_streams}
         next_claim = time.monotonic()
         outage = _Outage(f"consumer {self.consumer_name}")
+        group_missing = False
         async with self._connection() as client:
             while True:
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
+                    if group_missing:
+                        await self._declare_consumer_group()
+                        group_missing = False
                     if time.monotonic() >= next_claim:
                         next_claim = time.monotonic() + interval
-                        for stream in self.streams:
-                            outcome = await self.claim(client, stream)
-                            batch += [(stream, e.id, e.fields) for e in outcome.entries]
+                        batch = await self._claim_all(client)
                     if not batch:
-                        # Never block past the next claim: reclaim must not
-                        # wait for traffic.
-                        until = max(1, int((next_claim - time.monotonic()) * 1000))
-                        block = min(self.block, until) if self.block else until
-                        fetched: Any = await client.xreadgroup(
-                            self.consumer_group_name,
-                            self.consumer_name,
-                            read_from,
-                            block=block,
-                            count=self.count,
-                        )
-                        for stream, entries in fetched or []:
-                            batch += [(_text(stream), _text(i), f) for i, f in entries]
+                        batch = await self._read_new(client, read_from, next_claim)
                 except _UNREACHABLE as error:
                     await outage.failed(error)
                     continue
@@ -185,15 +175,50 @@ class ReclaimingListener:
                         self.consumer_group_name,
                         error,
                     )
-                    await self._declare_consumer_group()
+                    group_missing = True
                     continue
                 outage.succeeded()
-                for stream, entry_id in ((s, i) for s, i, _ in batch):
+                for stream, entry_id, _ in batch:
                     self.in_flight.setdefault(stream, set()).add(entry_id)
                 for stream, entry_id, fields in batch:
-                    message = await self._deliverable(client, stream, entry_id, fields)
+                    try:
+                        message = await self._deliverable(
+                            client, stream, entry_id, fields
+                        )
+                    except _UNREACHABLE as error:
+                        # Dead-lettering failed: left pending and unheartbeated,
+                        # it is reclaimed and tried again.
+                        self.in_flight[stream].discard(entry_id)
+                        await outage.failed(error)
+                        continue
                     if message is not None:
                         yield message
+
+    async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
+        batch: list[tuple[str, str, dict[Any, Any]]] = []
+        for stream in self.streams:
+            outcome = await self.claim(client, stream)
+            batch += [(stream, e.id, e.fields) for e in outcome.entries]
+        return batch
+
+    async def _read_new(
+        self, client: Any, read_from: dict[str, Any], next_claim: float
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        # Never block past the next claim: reclaim must not wait for traffic.
+        until = max(1, int((next_claim - time.monotonic()) * 1000))
+        block = min(self.block, until) if self.block else until
+        fetched: Any = await client.xreadgroup(
+            self.consumer_group_name,
+            self.consumer_name,
+            read_from,
+            block=block,
+            count=self.count,
+        )
+        return [
+            (_text(stream), _text(entry_id), fields)
+            for stream, entries in fetched or []
+            for entry_id, fields in entries
+        ]
 
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
