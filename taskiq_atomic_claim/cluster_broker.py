@@ -173,6 +173,10 @@ class SlotRoutedClient:
                 raise RedisConnectionError(f"cluster changing: {error}") from error
             raise
 
+    async def type(self, name: str) -> Any:
+        """TYPE, for the loop's start-up check of the stream keys."""
+        return await self.execute_command("TYPE", name)
+
     async def primary_for(self, key: str) -> ClusterNode:
         """The primary serving ``key`` as the client now knows the cluster."""
         # A no-op unless a failed command asked for the topology to be
@@ -474,6 +478,16 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                     stream,
                     error,
                 )
+
+    async def startup(self) -> None:
+        """Create the groups and check the stream keys, as the standalone
+        broker does; a cluster that cannot be reached yet is waited out by
+        the listen loop instead of failing the worker's start."""
+        await super().startup()
+        try:
+            await self.check_stream_types()
+        except _UNREACHABLE as error:
+            logger.warning("Stream keys not checked at start-up: %s", error)
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the client."""

@@ -191,6 +191,16 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             await client.connection_pool.get_master_address()
         return await super().claim(client, stream)
 
+    async def startup(self) -> None:
+        """Create the groups and check the stream keys, as the standalone
+        broker does; no reachable master yet (mid-failover) is waited out by
+        the listen loop instead of failing the worker's start."""
+        await super().startup()
+        try:
+            await self.check_stream_types()
+        except _UNREACHABLE as error:
+            logger.warning("Stream keys not checked at start-up: %s", error)
+
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then shut down as the parent does."""
         await self.hand_back()

@@ -1,0 +1,356 @@
+"""AtomicRedisStreamSentinelBroker behind real local Sentinels.
+
+One master, one replica and three sentinels (quorum 2), all started from the
+local Redis 7 binary (``tests/topologies.py``). A test that fails over gets
+a setup of its own: Sentinel refuses a second failover of the same master
+for twice the failover timeout. Measured times are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis as SyncRedis
+from taskiq.kicker import AsyncKicker
+
+from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.scripts import LIBRARY, _library_name
+from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
+from tests.topologies import (
+    HOST,
+    Consumer,
+    DrillWorkers,
+    EventLog,
+    LocalSentinels,
+    binary_for,
+    bounded,
+    message,
+    unexpiring_keys,
+    wait_replicated,
+)
+from tests.topology_app import TASK_NAME, events_stream
+
+IDLE_MS, INTERVAL_MS = 1000, 200
+RECLAIM_BOUND_S = (IDLE_MS + INTERVAL_MS) / 1000 + 2.0
+
+REDIS_7 = binary_for(7)
+REDIS_62 = binary_for(6)
+
+
+def _need(binary: Any, what: str) -> Any:
+    if binary is None:
+        pytest.skip(f"no {what} server binary found (see embedded_server.py)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def sentinels() -> Iterator[LocalSentinels]:
+    """Shared by the tests that do not fail over."""
+    with LocalSentinels(_need(REDIS_7, "Redis 7")) as started:
+        yield started
+
+
+@pytest.fixture
+def own_sentinels() -> Iterator[LocalSentinels]:
+    with LocalSentinels(_need(REDIS_7, "Redis 7")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def events_server() -> Iterator[LocalServer]:
+    with LocalServer(_need(REDIS_7, "Redis 7")) as server:
+        yield server
+
+
+class Brokers:
+    """Sentinel brokers started for one test; all shut down at its end."""
+
+    def __init__(self) -> None:
+        self.started: list[AtomicRedisStreamSentinelBroker] = []
+
+    async def __call__(
+        self, setup: LocalSentinels, queue: str, name: str, **kwargs: Any
+    ) -> AtomicRedisStreamSentinelBroker:
+        kwargs.setdefault("idle_timeout", IDLE_MS)
+        kwargs.setdefault("claim_interval", INTERVAL_MS)
+        kwargs.setdefault("xread_block", 500)
+        broker = AtomicRedisStreamSentinelBroker(
+            setup.addresses,
+            setup.master_name,
+            queue_name=queue,
+            consumer_name=name,
+            consumer_id="0",
+            **kwargs,
+        )
+        self.started.append(broker)
+        await broker.startup()
+        return broker
+
+    async def shutdown_all(self) -> None:
+        started, self.started = self.started, []
+        for broker in started:
+            await broker.shutdown()
+
+
+@pytest.fixture
+async def make_broker() -> AsyncIterator[Brokers]:
+    brokers = Brokers()
+    try:
+        yield brokers
+    finally:
+        await brokers.shutdown_all()
+
+
+async def kick(broker: Any, queue: str, count: int, tag: str) -> set[str]:
+    bodies = {f"{tag}-{number}" for number in range(count)}
+    for body in sorted(bodies):
+        await broker.kick(message(body, queue))
+    return bodies
+
+
+def master_client(setup: LocalSentinels) -> SyncRedis:
+    return SyncRedis(host=HOST, port=setup.master_port())
+
+
+def pending_on_master(setup: LocalSentinels, queue: str) -> int:
+    with master_client(setup) as client:
+        summary: Any = client.xpending(queue, "taskiq")
+    return int(summary["pending"])
+
+
+def replicate(setup: LocalSentinels) -> float:
+    master = setup.master_port()
+    replicas = [s.port for s in setup.servers if s.port != master and s.process]
+    return wait_replicated(master, replicas)
+
+
+# Construction: no server needed.
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"idle_timeout": 1000, "claim_interval": 1000}, "claim_interval"),
+        ({"unacknowledged_batch_size": 0}, "unacknowledged_batch_size"),
+        ({"max_deliveries": 0}, "max_deliveries"),
+        ({"xread_count": 0}, "xread_count"),
+        ({"consumer_group_name": ""}, "consumer_group_name"),
+        ({"master_name": ""}, "master_name"),
+    ],
+)
+def test_arguments_are_checked_as_the_standalone_broker_checks_them(
+    kwargs: dict[str, Any], names: str
+) -> None:
+    kwargs.setdefault("master_name", "m")
+    with pytest.raises(ValueError, match=names):
+        AtomicRedisStreamSentinelBroker([(HOST, 1)], **kwargs)
+
+
+def test_parent_arguments_keep_their_positions() -> None:
+    broker = AtomicRedisStreamSentinelBroker(
+        [(HOST, 1)], "m", 1, "jobs", "workers", "me", "0", False, 3000
+    )
+    assert (broker.master_name, broker.queue_name) == ("m", "jobs")
+    assert (broker.consumer_group_name, broker.consumer_name) == ("workers", "me")
+    assert (broker.consumer_id, broker.mkstream, broker.block) == ("0", False, 3000)
+    assert broker.claim_settings.idle_timeout == 600000
+
+
+# On the shared setup.
+
+
+@bounded(60)
+async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
+    sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    queue = f"reclaim-{uuid.uuid4().hex[:6]}"
+    first = await make_broker(sentinels, queue, "first")
+    second = await make_broker(sentinels, queue, "second")
+    bodies = await kick(first, queue, 5, "a")
+    doomed = Consumer(first, ack=False)
+    assert await doomed.wait_for(bodies, 10)
+    await doomed.die()
+    died = time.monotonic()
+
+    survivor = Consumer(second)
+    recovered = await survivor.wait_for(bodies, RECLAIM_BOUND_S + 1)
+    assert recovered is not None, sorted(bodies - set(survivor.bodies))
+    print(f"\nsentinel: 5 entries reclaimed {recovered - died:.2f} s after the kill")
+    assert recovered - died <= RECLAIM_BOUND_S
+    await survivor.stop()
+    assert pending_on_master(sentinels, queue) == 0
+    assert unexpiring_keys([sentinels.master_port()]) == []
+
+
+# Failovers: each on a setup of its own.
+
+
+@bounded(120)
+async def test_forced_failover_mid_run_nothing_lost(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    setup = own_sentinels
+    queue = "failover"
+    doomed_broker = await make_broker(setup, queue, "doomed")
+    survivor_broker = await make_broker(setup, queue, "survivor")
+    before = await kick(doomed_broker, queue, 10, "before")
+    doomed = Consumer(doomed_broker, ack=False)
+    assert await doomed.wait_for(before, 10)
+    await doomed.die()
+    # What was written before the failover must be on the replica, or the
+    # failover itself would lose it.
+    await asyncio.to_thread(replicate, setup)
+
+    survivor = Consumer(survivor_broker)
+    old_master = setup.master_port()
+    started = time.monotonic()
+    new_master, took = await asyncio.to_thread(setup.failover)
+    after = await kick(survivor_broker, queue, 10, "after")
+    everything = before | after
+    done = await survivor.wait_for(everything, 30)
+    assert done is not None, sorted(everything - set(survivor.bodies))
+    with SyncRedis(host=HOST, port=old_master) as client:
+        old_role = client.execute_command("ROLE")[0].decode()
+    await survivor.stop()
+
+    after_at = [t for t, body in survivor.received if body in after]
+    print(
+        f"\nSENTINEL FAILOVER: sentinels named the new master {took:.2f} s after"
+        f" the command; entries kicked after it handled by"
+        f" {max(after_at) - started:.2f} s, all {len(everything)} by"
+        f" {done - started:.2f} s (old master still {old_role});"
+        f" {len(survivor.bodies) - len(set(survivor.bodies))} duplicates;"
+        f" library reloads {survivor_broker.scripts.reloads}"
+    )
+    # The loop left the old master within a claim interval, not when the
+    # sentinels demoted it: entries kicked to the new master were handled
+    # while the old one was still a master.
+    assert old_role == "master"
+    with SyncRedis(host=HOST, port=new_master) as client:
+        libraries = [_library_name(e) for e in client.execute_command("FUNCTION LIST")]
+    assert LIBRARY.name in libraries
+    assert pending_on_master(setup, queue) == 0
+    assert unexpiring_keys([new_master]) == []
+
+
+@bounded(120)
+async def test_a_read_blocked_on_a_demoted_master_reconnects(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # A claim interval longer than the whole test: only the UNBLOCKED reply
+    # (not the once-per-claim-interval check) can move the loop.
+    setup = own_sentinels
+    queue = "unblocked"
+    broker = await make_broker(
+        setup,
+        queue,
+        "blocked",
+        idle_timeout=60_000,
+        claim_interval=30_000,
+        xread_block=30_000,
+        socket_timeout=60,
+    )
+    consumer = Consumer(broker)
+    assert await consumer.wait_for(await kick(broker, queue, 1, "first"), 10)
+    await asyncio.to_thread(replicate, setup)
+    old_master = setup.master_port()
+    new_master, _ = await asyncio.to_thread(setup.failover)
+    # Demote the old master now, as the sentinels would some seconds later:
+    # the read blocked on it gets UNBLOCKED.
+    with SyncRedis(host=HOST, port=old_master) as client:
+        client.execute_command("REPLICAOF", HOST, new_master)
+    later = await kick(broker, queue, 1, "later")
+    handled = await consumer.wait_for(later, 15)
+    assert handled is not None, consumer.bodies
+    assert not consumer.task.done()
+    await consumer.stop()
+
+
+DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
+DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
+
+
+@bounded(120)
+async def test_crash_drill_across_a_forced_failover(
+    own_sentinels: LocalSentinels, events_server: LocalServer, tmp_path: Path
+) -> None:
+    setup = own_sentinels
+    queue = f"drill-{uuid.uuid4().hex[:8]}"
+    run = "round-0"
+    env = {
+        "TAC_TOPOLOGY": "sentinel",
+        "TAC_TOPOLOGY_NODES": ",".join(f"{h}:{p}" for h, p in setup.addresses),
+        "TAC_TOPOLOGY_MASTER": setup.master_name,
+        "TAC_DRILL_QUEUE": queue,
+        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
+        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
+        "TAC_DRILL_EVENTS_URL": events_server.url,
+    }
+    events = EventLog(events_server.url, events_stream(queue))
+    kicker = AtomicRedisStreamSentinelBroker(
+        setup.addresses, setup.master_name, queue_name=queue
+    )
+    try:
+        with master_client(setup) as client:
+            client.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        with DrillWorkers(env, tmp_path) as workers:
+            workers.start("doomed")
+            assert await events.wait_for("ready", 30, worker="doomed"), workers.log(
+                "doomed"
+            )
+            await AsyncKicker(TASK_NAME, kicker, {}).kiq(run, 1.0)
+            delivered = await events.wait_for("started", 15, run, "doomed")
+            assert delivered is not None, workers.log("doomed")
+            await asyncio.to_thread(replicate, setup)
+            workers.kill("doomed")
+            killed = time.monotonic()
+            # The replacement starts while the failover runs: it may first
+            # reach the old master and must follow the sentinels from there.
+            failover = asyncio.create_task(asyncio.to_thread(setup.failover))
+            workers.start("fresh")
+            _, took = await failover
+            rerun = await events.wait_for("started", 40, run, "fresh")
+            assert rerun is not None, workers.log("fresh")
+            finished = await events.wait_for("finished", 15, run, "fresh")
+            assert finished is not None, workers.log("fresh")
+        print(
+            f"\nsentinel drill across failover: new master named {took:.2f} s"
+            f" after the command; SIGKILL -> rerun {rerun - killed:.2f} s"
+            f" (first delivery -> rerun {rerun - delivered:.2f} s)"
+        )
+        assert rerun - killed <= DRILL_BOUND_S
+        assert pending_on_master(setup, queue) == 0
+    finally:
+        await kicker.shutdown()
+        await events.aclose()
+
+
+@pytest.mark.slow
+@bounded(120)
+async def test_redis_62_failover_reloads_cached_scripts_if_missing(
+    make_broker: Brokers,
+) -> None:
+    with LocalSentinels(_need(REDIS_62, "Redis 6.2")) as setup:
+        queue = "scripts"
+        doomed_broker = await make_broker(setup, queue, "doomed")
+        survivor_broker = await make_broker(setup, queue, "survivor")
+        bodies = await kick(doomed_broker, queue, 5, "a")
+        doomed = Consumer(doomed_broker, ack=False)
+        assert await doomed.wait_for(bodies, 10)
+        await doomed.die()
+        await asyncio.to_thread(replicate, setup)
+        survivor = Consumer(survivor_broker)
+        new_master, _ = await asyncio.to_thread(setup.failover)
+        with SyncRedis(host=HOST, port=new_master) as client:
+            client.execute_command("SCRIPT", "FLUSH")
+        assert await survivor.wait_for(bodies, 20)
+        await survivor.stop()
+        assert survivor_broker.scripts.reloads >= 1
+        assert pending_on_master(setup, queue) == 0
+        await make_broker.shutdown_all()
