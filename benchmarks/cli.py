@@ -162,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                 results.update(claim_cycle.run(server.port, path, mode, log))
             if "contention" in args.parts:
                 results["contention_regimes"] = {
-                    r.name: {**r.arguments.as_dict(), "why": r.why} for r in REGIMES
+                    r.name: {
+                        **r.arguments.as_dict(),
+                        "back_off": r.back_off,
+                        "why": r.why,
+                    }
+                    for r in REGIMES
                 }
                 results["contention"] = contention.run(server.url, REGIMES, mode, log)
             if "scale" in args.parts:

@@ -3,8 +3,10 @@
 The workload: a PEL of long-idle entries; every claimer loops claim cycles
 for a fixed window and never acks (as if every task outlived idle_timeout,
 or the claimer died after claiming), so claimed entries idle out and are
-claimable again. Each claimer records every entry it was handed with the
-time it sent the cycle and the time the reply arrived.
+claimable again. After a skipped cycle a claimer waits one claim interval
+or not at all, depending on the regime (config.Regime). Each claimer
+records every entry it was handed with the time it sent the cycle and the
+time the reply arrived.
 
 A double claim is an entry handed to two different claimers within one
 lease period (settings.lease). A hand-out happened somewhere between the
@@ -15,8 +17,10 @@ only might have been that close (narrowest gap under a lease, widest not)
 are reported apart, as ``possible_double_claims``.
 
 Claimers are forked processes (cheap to start, 64 fit on 2 cores), each
-with its own connection and event loop, bounded by the window, a cycle cap
-and a hard SIGALRM; the parent kills any that are left.
+with its own connection and event loop. Each reports ready once connected
+and prepared; only then does the parent hand out one common window, so
+slow starters do not eat into it. Bounded by the window, a cycle cap and a
+hard SIGALRM; the parent kills any that are left.
 """
 
 from __future__ import annotations
@@ -39,10 +43,20 @@ from benchmarks.variants import VARIANTS, Target, coordination_keys, make_claime
 STREAM, GROUP = "bench-contention", "bench-group"
 # Far above what one claimer reaches in a window; only a safety bound.
 _MAX_CYCLES = 2_000_000
-_START_SLACK_S = 0.4
+_READY_TIMEOUT_S = 120.0
+# Between the last claimer reporting ready and the window opening.
+_START_SLACK_S = 0.05
 
 
-async def _claim_loop(spec: dict[str, Any]) -> dict[str, Any]:
+def _wait_for_window(conn: Connection) -> tuple[float, float]:
+    conn.send("ready")
+    if not conn.poll(_READY_TIMEOUT_S):
+        raise TimeoutError("no window from the parent")
+    start_at, stop_at = conn.recv()
+    return float(start_at), float(stop_at)
+
+
+async def _claim_loop(spec: dict[str, Any], conn: Connection) -> dict[str, Any]:
     regime: Regime = spec["regime"]
     client = Redis.from_url(spec["url"])
     try:
@@ -59,11 +73,13 @@ async def _claim_loop(spec: dict[str, Any]) -> dict[str, Any]:
         )
         await claimer.prepare()
         await client.ping()
-        await asyncio.sleep(max(0.0, spec["start_at"] - time.monotonic()))
+        start_at, stop_at = await asyncio.to_thread(_wait_for_window, conn)
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        back_off_s = regime.arguments.claim_interval / 1000 if regime.back_off else 0
         # One tuple per productive cycle: (sent, replied, ids).
         handed: list[tuple[float, float, list[str]]] = []
         cycles = skipped = errors = 0
-        while cycles < _MAX_CYCLES and (sent := time.monotonic()) < spec["stop_at"]:
+        while cycles < _MAX_CYCLES and (sent := time.monotonic()) < stop_at:
             try:
                 result = await claimer.cycle()
             except RedisError:
@@ -73,6 +89,10 @@ async def _claim_loop(spec: dict[str, Any]) -> dict[str, Any]:
             cycles += 1
             if result.skipped:
                 skipped += 1
+                if back_off_s:
+                    await asyncio.sleep(
+                        min(back_off_s, max(0.0, stop_at - time.monotonic()))
+                    )
             elif result.ids:
                 handed.append((sent, time.monotonic(), result.ids))
         return {
@@ -88,9 +108,9 @@ async def _claim_loop(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _child(conn: Connection, spec: dict[str, Any]) -> None:
     safety.die_with_parent()
-    safety.hard_deadline(spec["stop_at"] - time.monotonic() + 60)
+    safety.hard_deadline(_READY_TIMEOUT_S + spec["window_s"] + 60)
     try:
-        conn.send(asyncio.run(_claim_loop(spec)))
+        conn.send(asyncio.run(_claim_loop(spec, conn)))
     except Exception as error:  # reported by the parent
         conn.send({"failed": repr(error)})
     finally:
@@ -137,39 +157,48 @@ def _run_one(
 ) -> dict[str, Any]:
     asyncio.run(_reset(url, mode.contention_pending))
     context = multiprocessing.get_context("fork")
-    start_at = time.monotonic() + _START_SLACK_S + 0.01 * claimers
-    stop_at = start_at + mode.contention_s
     processes, pipes = [], []
     try:
         for index in range(claimers):
-            receive, send = context.Pipe(duplex=False)
+            parent_end, child_end = context.Pipe(duplex=True)
             spec = {
                 "url": url,
                 "regime": regime,
                 "variant": variant,
                 "index": index,
-                "start_at": start_at,
-                "stop_at": stop_at,
+                "window_s": mode.contention_s,
             }
-            process = context.Process(target=_child, args=(send, spec), daemon=True)
+            process = context.Process(
+                target=_child, args=(child_end, spec), daemon=True
+            )
             process.start()
-            send.close()
+            child_end.close()
             processes.append(process)
-            pipes.append(receive)
+            pipes.append(parent_end)
+        ready_by = time.monotonic() + _READY_TIMEOUT_S
+        for conn in pipes:
+            if not conn.poll(max(0.0, ready_by - time.monotonic())):
+                raise RuntimeError(f"a {variant} claimer never got ready")
+            message = conn.recv()
+            if message != "ready":
+                raise RuntimeError(f"{variant} claimer failed to start: {message}")
+        start_at = time.monotonic() + _START_SLACK_S
+        stop_at = start_at + mode.contention_s
+        for conn in pipes:
+            conn.send((start_at, stop_at))
         results = []
-        for receive in pipes:
-            remaining = stop_at - time.monotonic() + 30
-            if not receive.poll(max(0.0, remaining)):
+        for conn in pipes:
+            if not conn.poll(max(0.0, stop_at - time.monotonic() + 30)):
                 raise RuntimeError(f"a {variant} claimer did not report in time")
-            results.append(receive.recv())
+            results.append(conn.recv())
     finally:
         for process in processes:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-        for receive in pipes:
-            receive.close()
+        for conn in pipes:
+            conn.close()
     failed = [r["failed"] for r in results if "failed" in r]
     if failed:
         raise RuntimeError(f"{variant} claimers failed: {failed[:3]}")
