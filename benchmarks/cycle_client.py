@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from benchmarks import safety, workload
 from benchmarks.config import BrokerArguments
-from benchmarks.measure import measure
+from benchmarks.measure import Subject, measure
 from benchmarks.stats import p50
 from benchmarks.variants import Target, make_claimer
 
@@ -43,26 +43,30 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         await client.ping()
         rtt_us = await _ping_rtt_us(client)
-        claimers = [
-            make_claimer(
-                variant,
-                client,
-                Target(
-                    spec["stream"],
-                    spec["group"],
-                    f"bench-{variant}",
-                    settings,
-                    arguments.lock_timeout_s,
-                ),
-            )
-            for variant in spec["variants"]
-        ]
 
         async def hand_back(ids: list[str]) -> None:
             await workload.hand_back(harness, spec["stream"], spec["group"], ids)
 
+        subjects = [
+            Subject(
+                variant,
+                make_claimer(
+                    variant,
+                    client,
+                    Target(
+                        spec["stream"],
+                        spec["group"],
+                        f"bench-{variant}",
+                        settings,
+                        arguments.lock_timeout_s,
+                    ),
+                ),
+                hand_back,
+            )
+            for variant in spec["variants"]
+        ]
         samples, truncated = await measure(
-            claimers, hand_back, spec["cycles"], spec["warmup"], spec["max_seconds"]
+            subjects, spec["cycles"], spec["warmup"], spec["max_seconds"]
         )
         return {
             "measured_rtt_us": round(rtt_us, 1),

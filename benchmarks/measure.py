@@ -1,8 +1,9 @@
 """Timing claim cycles: interleaved, bounded in count and in time.
 
-Variants take turns in blocks, in a rotating order, so slow drift on a shared
-machine (another process, CPU frequency) lands on every variant alike. Only
-the ``cycle()`` call is timed; handing the batch back is not.
+Subjects (variants, or variant and PEL size) take turns in blocks, in a
+rotating order, so slow drift on a shared machine (another process, CPU
+frequency) lands on every subject alike. Only the ``cycle()`` call is timed;
+handing the batch back is not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ _BLOCK = 25
 
 @dataclass
 class Samples:
-    variant: str
+    name: str
     latencies_us: list[float] = field(default_factory=list)
     claimed: int = 0
     skipped: int = 0
@@ -28,7 +29,6 @@ class Samples:
     def summary(self) -> dict[str, float | int | str]:
         cycles = len(self.latencies_us)
         return {
-            "variant": self.variant,
             "cycles": cycles,
             "p50_us": round(p50(self.latencies_us), 1),
             "p99_us": round(percentile(self.latencies_us, 99), 1),
@@ -38,11 +38,20 @@ class Samples:
         }
 
 
-async def _one(claimer: Claimer, hand_back: HandBack, samples: Samples | None) -> None:
+@dataclass(frozen=True)
+class Subject:
+    """One thing to time: a claimer and how to hand its batches back."""
+
+    name: str
+    claimer: Claimer
+    hand_back: HandBack
+
+
+async def _one(subject: Subject, samples: Samples | None) -> None:
     started = time.perf_counter()
-    result = await claimer.cycle()
+    result = await subject.claimer.cycle()
     elapsed_us = (time.perf_counter() - started) * 1e6
-    await hand_back(result.ids)
+    await subject.hand_back(result.ids)
     if samples is not None:
         samples.latencies_us.append(elapsed_us)
         samples.claimed += len(result.ids)
@@ -50,25 +59,21 @@ async def _one(claimer: Claimer, hand_back: HandBack, samples: Samples | None) -
 
 
 async def measure(
-    claimers: list[Claimer],
-    hand_back: HandBack,
-    cycles: int,
-    warmup: int,
-    max_seconds: float,
+    subjects: list[Subject], cycles: int, warmup: int, max_seconds: float
 ) -> tuple[dict[str, Samples], bool]:
-    """Samples per variant, and whether the time bound cut the run short."""
-    for claimer in claimers:
-        await claimer.prepare()
+    """Samples per subject, and whether the time bound cut the run short."""
+    for subject in subjects:
+        await subject.claimer.prepare()
         for _ in range(warmup):
-            await _one(claimer, hand_back, None)
-    samples = {claimer.name: Samples(claimer.name) for claimer in claimers}
+            await _one(subject, None)
+    samples = {subject.name: Samples(subject.name) for subject in subjects}
     deadline = time.monotonic() + max_seconds
     blocks = -(-cycles // _BLOCK)
     for block in range(blocks):
-        shift = block % len(claimers)
-        for claimer in claimers[shift:] + claimers[:shift]:
+        shift = block % len(subjects)
+        for subject in subjects[shift:] + subjects[:shift]:
             for _ in range(min(_BLOCK, cycles - block * _BLOCK)):
-                await _one(claimer, hand_back, samples[claimer.name])
+                await _one(subject, samples[subject.name])
         if time.monotonic() > deadline:
             return samples, True
     return samples, False

@@ -1,6 +1,7 @@
 """Part 5: claim-cycle latency as the PEL grows (no injected RTT).
 
-Two workloads per PEL size, every variant:
+One stream per PEL size (100, 10k, 100k), all on the server at once, and
+two workloads, every variant:
 
 - ``claim``: every cycle claims a full batch of idle entries (the recovery
   cycle of the claim-cycle part);
@@ -8,8 +9,8 @@ Two workloads per PEL size, every variant:
   COUNT*10 PEL entries and claims nothing (the cycle a healthy broker runs
   every claim interval).
 
-The PEL only grows between sizes (entries are added), so the sizes share
-one stream; each variant starts with its cursor and keys reset.
+Within a workload every (variant, size) pair is timed interleaved with the
+others, so a busy moment on the machine cannot land on one size only.
 """
 
 from __future__ import annotations
@@ -21,57 +22,73 @@ from redis.asyncio import Redis
 
 from benchmarks import workload
 from benchmarks.config import CYCLE_ARGUMENTS, SCAN_ARGUMENTS, BrokerArguments, Mode
-from benchmarks.measure import measure
+from benchmarks.measure import Subject, measure
 from benchmarks.variants import VARIANTS, Target, coordination_keys, make_claimer
 
-STREAM, GROUP = "bench-scale", "bench-group"
+GROUP = "bench-group"
 WORKLOADS: dict[str, BrokerArguments] = {
     "claim": CYCLE_ARGUMENTS,
     "scan": SCAN_ARGUMENTS,
 }
 
 
+def _stream(size: int) -> str:
+    return f"bench-scale-{size}"
+
+
+def _hand_back(admin: Redis, stream: str) -> Any:
+    async def hand_back(ids: list[str]) -> None:
+        await workload.hand_back(admin, stream, GROUP, ids)
+
+    return hand_back
+
+
 async def _run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
     admin = Redis.from_url(url)
     client = Redis.from_url(url)
+    streams = {size: _stream(size) for size in mode.scale_sizes}
     rows = []
     try:
-        await workload.create(admin, STREAM, GROUP, coordination_keys(STREAM, GROUP))
-        pending = 0
-        for size in mode.scale_sizes:
-            pending += await workload.add_pending(admin, STREAM, GROUP, size - pending)
-            actual = await workload.pending_count(admin, STREAM, GROUP)
-            for name, arguments in WORKLOADS.items():
-                log(f"scale: {actual} pending, {name}")
-                await admin.delete(*coordination_keys(STREAM, GROUP))
-                claimers = [
-                    make_claimer(
-                        variant,
-                        client,
-                        Target(
-                            STREAM,
-                            GROUP,
-                            f"bench-{variant}",
-                            arguments.settings(),
-                            arguments.lock_timeout_s,
-                        ),
-                    )
-                    for variant in VARIANTS
-                ]
-
-                async def hand_back(ids: list[str]) -> None:
-                    await workload.hand_back(admin, STREAM, GROUP, ids)
-
-                samples, truncated = await measure(
-                    claimers, hand_back, mode.scale_cycles, mode.warmup, 120
-                )
+        for size, stream in streams.items():
+            await workload.create(
+                admin, stream, GROUP, coordination_keys(stream, GROUP)
+            )
+            await workload.add_pending(admin, stream, GROUP, size)
+        pending = {
+            size: await workload.pending_count(admin, stream, GROUP)
+            for size, stream in streams.items()
+        }
+        for name, arguments in WORKLOADS.items():
+            log(f"scale: {name} workload, PEL sizes {list(pending.values())}")
+            subjects = []
+            for size, stream in streams.items():
+                await admin.delete(*coordination_keys(stream, GROUP))
                 for variant in VARIANTS:
-                    summary = samples[variant].summary()
+                    target = Target(
+                        stream,
+                        GROUP,
+                        f"bench-{variant}",
+                        arguments.settings(),
+                        arguments.lock_timeout_s,
+                    )
+                    subjects.append(
+                        Subject(
+                            f"{variant}@{size}",
+                            make_claimer(variant, client, target),
+                            _hand_back(admin, stream),
+                        )
+                    )
+            samples, truncated = await measure(
+                subjects, mode.scale_cycles, mode.warmup, 300
+            )
+            for size in streams:
+                for variant in VARIANTS:
+                    summary = samples[f"{variant}@{size}"].summary()
                     rows.append(
                         {
                             "variant": variant,
                             "workload": name,
-                            "pending": actual,
+                            "pending": pending[size],
                             "p50_us": summary["p50_us"],
                             "p99_us": summary["p99_us"],
                             "cycles": summary["cycles"],
@@ -79,7 +96,8 @@ async def _run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
                             "truncated_by_time_bound": truncated,
                         }
                     )
-        await admin.delete(STREAM, *coordination_keys(STREAM, GROUP))
+        for stream in streams.values():
+            await admin.delete(stream, *coordination_keys(stream, GROUP))
     finally:
         await client.aclose()
         await admin.aclose()
