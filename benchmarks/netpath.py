@@ -33,7 +33,7 @@ from benchmarks.config import REPO_ROOT
 
 _NAMESPACE_PREFIX = "tacbench-"
 # Private range for our pair only; a /30 that overlaps nothing on this host.
-_POOL = ipaddress.ip_network("10.231.0.0/16")
+_POOL = ipaddress.IPv4Network("10.231.0.0/16")
 
 
 class UnavailableError(RuntimeError):
@@ -68,8 +68,8 @@ def remove_stale_namespaces() -> list[str]:
     return removed
 
 
-def _networks_in_use() -> list[ipaddress.IPv4Network]:
-    used = []
+def _networks_in_use() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for args in (("-j", "-4", "addr"), ("-j", "-4", "route", "show", "table", "all")):
         try:
             data = json.loads(_ip(*args).stdout or "[]")
@@ -154,8 +154,10 @@ class NetemPath:
 
     @property
     def server_args(self) -> tuple[str, ...]:
-        # The server keeps listening on loopback and also on our veth end only.
-        return ("--bind", "127.0.0.1", self.root_ip)
+        # Loopback plus our veth end, nothing else. Protected mode would refuse
+        # the namespace's (non-loopback) client: the throwaway server has no
+        # password, and only this host's own veth pair reaches that address.
+        return ("--bind", "127.0.0.1", self.root_ip, "--protected-mode", "no")
 
     def attach(self, server_port: int) -> None:
         self.server_port = server_port

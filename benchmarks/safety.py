@@ -3,7 +3,9 @@
 Every resource the suite creates (network namespace, proxy process, claimer
 processes) registers an undo here. The undos run in ``finally`` blocks, at
 interpreter exit, and on SIGTERM/SIGHUP (turned into ``SystemExit`` so the
-``finally`` blocks run too); Ctrl-C raises ``KeyboardInterrupt`` as usual.
+``finally`` blocks run too). Ctrl-C raises ``KeyboardInterrupt`` at once,
+from a handler of our own: ``asyncio.run`` would otherwise turn it into a
+cancellation that library code may swallow, and the run would go on.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def install() -> None:
     atexit.register(run_all)
+    signal.signal(signal.SIGINT, _interrupt)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _exit_on_signal)
 

@@ -38,7 +38,7 @@ from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
 
 TASK_NAME = "bench.noop"
 _IN_FLIGHT = 50
-_START_DELAY_S = 1.0
+_START_DELAY_S = 0.5
 _IDLE_TIMEOUT_MS = 60_000
 
 
@@ -115,12 +115,21 @@ async def _consume(
             await asyncio.sleep(0.002)
         raise RuntimeError(f"{kind}: messages still pending 30 s after running")
     finally:
-        finish.set()
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
-        await broker.shutdown()
+        await _stop(finish, listener)
+        await asyncio.wait_for(broker.shutdown(), 15)
         await admin.delete(queue)
         await admin.aclose()
+
+
+async def _stop(finish: asyncio.Event, listener: asyncio.Task[None]) -> None:
+    """Let the receiver finish; cancel it if it will not; never wait unbounded."""
+    finish.set()
+    done, _ = await asyncio.wait({listener}, timeout=5)
+    if not done:
+        listener.cancel()
+        await asyncio.wait({listener}, timeout=5)
+    if listener.done() and not listener.cancelled():
+        listener.exception()  # retrieved: an error here is not the figure's
 
 
 async def _create_group(url: str, queue: str) -> None:
