@@ -125,30 +125,50 @@ class Worker:
 
 
 class Events:
+    """What the drill workers report, in the order they reported it."""
+
     def __init__(self, client: Redis, stream: str) -> None:
         self.client = client
         self.stream = stream
         self.last_id = "0-0"
+        # (seen at, event, run, worker): waits may ask in any order, so an
+        # event read while waiting for another is kept, not skipped.
+        self.seen: list[tuple[float, str, str, str]] = []
+
+    def _find(self, event: str, run_id: str, worker: str | None) -> float | None:
+        for seen_at, seen_event, seen_run, seen_worker in self.seen:
+            if (seen_event, seen_run) == (event, run_id) and worker in (
+                None,
+                seen_worker,
+            ):
+                return seen_at
+        return None
 
     async def wait_for(
         self, event: str, deadline: float, run_id: str = "", worker: str | None = None
     ) -> float | None:
-        """Monotonic time the event was seen, or None at the deadline."""
-        while (remaining := deadline - time.monotonic()) > 0:
+        """Monotonic time the event was first seen, or None at the deadline."""
+        while (found := self._find(event, run_id, worker)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
             reply: Any = await self.client.xread(
                 {self.stream: self.last_id},
                 block=max(1, int(min(remaining, 0.5) * 1000)),
             )
+            now = time.monotonic()
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     self.last_id = entry_id.decode()
-                    if (
-                        fields[b"event"].decode() == event
-                        and fields[b"run"].decode() == run_id
-                        and (worker is None or fields[b"worker"].decode() == worker)
-                    ):
-                        return time.monotonic()
-        return None
+                    self.seen.append(
+                        (
+                            now,
+                            fields[b"event"].decode(),
+                            fields[b"run"].decode(),
+                            fields[b"worker"].decode(),
+                        )
+                    )
+        return found
 
 
 @contextlib.contextmanager

@@ -103,21 +103,6 @@ async def _finished_counts(client: Redis, stream: str) -> Counter[str]:
     return counts
 
 
-async def _wait_ready(drill: Drill, name: str, timeout: float = 30) -> None:
-    # Events are read in order; a worker's ready event may already be past,
-    # so look in the whole stream.
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        entries: Any = await drill.events.client.xrange(drill.events.stream)
-        if any(
-            f[b"event"] == b"ready" and f[b"worker"] == name.encode()
-            for _, f in entries[-200:]
-        ):
-            return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"soak worker {name} did not start")
-
-
 @dataclass
 class _Chaos:
     """The soak's moving parts: live workers by slot, kills, recoveries."""
@@ -189,7 +174,9 @@ async def run_soak(
         with running_workers() as processes:
             chaos = _Chaos(drill, server, report, processes)
             for name in [chaos.spawn(slot) for slot in range(workers)]:
-                await _wait_ready(drill, name)
+                ready_by = time.monotonic() + 30
+                if await drill.events.wait_for("ready", ready_by, worker=name) is None:
+                    raise RuntimeError(f"soak worker {name} did not start")
             # Tasks last long enough that the kills land on busy workers.
             task_seconds = workers * CONCURRENCY * kills * kill_every / messages
 
