@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import pytest
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -530,13 +531,39 @@ def unexpiring_keys(ports: list[int]) -> list[str]:
     return found
 
 
+def _awaiting(coro: Any) -> list[str]:
+    """Where a coroutine is suspended, outermost first, down its await chain."""
+    where = []
+    for _ in range(100):
+        if coro is None:
+            break
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return where
+
+
 def bounded(seconds: float) -> Callable[[Any], Any]:
-    """Fail an async test that runs longer than ``seconds``."""
+    """Fail an async test that runs longer than ``seconds``, showing where
+    every task was waiting (cancellation alone could be swallowed by a
+    ``suppress(CancelledError)`` on the way and the test pass late)."""
 
     def decorate(test: Any) -> Any:
         @functools.wraps(test)
         async def run(*args: Any, **kwargs: Any) -> Any:
-            return await asyncio.wait_for(test(*args, **kwargs), seconds)
+            task = asyncio.ensure_future(test(*args, **kwargs))
+            done, _ = await asyncio.wait({task}, timeout=seconds)
+            if not done:
+                stacks = "\n".join(
+                    f"{other.get_name()}: {' -> '.join(_awaiting(other.get_coro()))}"
+                    for other in asyncio.all_tasks()
+                    if other is not asyncio.current_task()
+                )
+                task.cancel()
+                await asyncio.wait({task}, timeout=10)
+                pytest.fail(f"still running after {seconds} s; tasks:\n{stacks}")
+            return task.result()
 
         return run
 
@@ -600,9 +627,11 @@ class DrillWorkers:
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
     def close(self) -> None:
+        # SIGKILL: the tests assert on what happened before, and a graceful
+        # taskiq shutdown can take seconds.
         for name, process in self.processes.items():
             if process.poll() is None:
-                self.kill(name, signal.SIGTERM)
+                self.kill(name)
         for log in self._logs:
             log.close()
 
