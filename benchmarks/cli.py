@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path: netpath.LatencyPath | None = None
     try:
-        if "claim_cycle" in args.parts:
+        if {"claim_cycle", "contention"} & set(args.parts):
             path = netpath.open_path(args.latency_method)
             log(f"latency injection: {path.method}: {path.detail}")
         with LocalServer(binary, extra_args=path.server_args if path else ()) as server:
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.method if path else None,
                 path.detail if path else "",
             )
+            if path is not None:
+                path.attach(server.port)
             if "claim_cycle" in args.parts and path is not None:
                 results.update(claim_cycle.run(server.port, path, mode, log))
             if "contention" in args.parts:
@@ -169,18 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     for r in REGIMES
                 }
-                results["contention"] = contention.run(server.url, REGIMES, mode, log)
+                results["contention"] = contention.run(
+                    server.url, REGIMES, mode, log, path
+                )
             if "scale" in args.parts:
                 results["scale"] = scale.run(server.url, mode, log)
             if "e2e" in args.parts:
-                results["e2e"] = end_to_end.run(
-                    server.url,
-                    mode.e2e_rounds,
-                    mode.e2e_give_up_s,
-                    mode.e2e_idle_timeout,
-                    mode.e2e_claim_interval,
-                    log,
-                )
+                results["e2e"] = end_to_end.run(server.url, mode, log)
             if "throughput" in args.parts:
                 results["throughput"] = throughput.run(
                     server.url, mode.throughput_messages, mode.throughput_reps, log

@@ -102,6 +102,8 @@ class Regime:
     arguments: BrokerArguments
     back_off: bool
     why: str
+    # Injected client-server RTT (0: plain loopback).
+    rtt_ms: float = 0.0
 
 
 _DEFAULT_LEASE = BrokerArguments(
@@ -120,6 +122,14 @@ REGIMES = (
         _DEFAULT_LEASE,
         back_off=False,
         why="the same, but every claimer retries at once after a skip",
+    ),
+    Regime(
+        "lease_lt_idle_rtt2ms",
+        _DEFAULT_LEASE,
+        back_off=True,
+        rtt_ms=2.0,
+        why="the default regime with 2 ms RTT between every claimer and the server,"
+        " injected like the claim-cycle part's: round trips, not client CPU, decide",
     ),
     Regime(
         "lease_gt_idle",
@@ -155,11 +165,14 @@ class Mode:
     scale_sizes: tuple[int, ...] = (100, 10_000, 100_000)
     scale_cycles: int = 1000
     e2e_rounds: int = 20
+    # 1.2.4 on an idle queue never recovers: each of its rounds waits out
+    # e2e_give_up_s, so quick runs keep this one short.
+    e2e_upstream_idle_rounds: int = 20
     e2e_give_up_s: float = 8.0
     e2e_idle_timeout: int = 2000
     e2e_claim_interval: int = 500
-    throughput_messages: int = 20_000
-    throughput_reps: int = 3
+    throughput_messages: int = 10_000
+    throughput_reps: int = 5
 
     def claimers_for(self, regime: str) -> tuple[int, ...]:
         return self.regime_claimers.get(regime, self.claimers)
@@ -171,11 +184,16 @@ QUICK = Mode(
     cycles=250,
     warmup=20,
     cpu_cycles=1000,
-    regime_claimers={"lease_lt_idle_spin": (16,), "lease_gt_idle": (16,)},
+    regime_claimers={
+        "lease_lt_idle_spin": (16,),
+        "lease_lt_idle_rtt2ms": (16,),
+        "lease_gt_idle": (16,),
+    },
     contention_s=0.7,
     contention_pending=10_000,
     scale_cycles=200,
     e2e_rounds=2,
+    e2e_upstream_idle_rounds=1,
     e2e_give_up_s=5.0,
     throughput_messages=2000,
     throughput_reps=2,
@@ -190,12 +208,17 @@ SMOKE = Mode(
     cpu_cycles=100,
     cycle_pending=1000,
     claimers=(1, 4),
-    regime_claimers={"lease_lt_idle_spin": (4,), "lease_gt_idle": (4,)},
+    regime_claimers={
+        "lease_lt_idle_spin": (4,),
+        "lease_lt_idle_rtt2ms": (4,),
+        "lease_gt_idle": (4,),
+    },
     contention_s=0.3,
     contention_pending=5000,
     scale_sizes=(100, 10_000),
     scale_cycles=30,
     e2e_rounds=1,
+    e2e_upstream_idle_rounds=1,
     e2e_give_up_s=5.0,
     throughput_messages=300,
     throughput_reps=1,

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from benchmarks import safety, workload
 from benchmarks.config import Mode, Regime
+from benchmarks.netpath import LatencyPath
 from benchmarks.variants import VARIANTS, Target, coordination_keys, make_claimer
 
 STREAM, GROUP = "bench-contention", "bench-group"
@@ -110,6 +111,8 @@ def _child(conn: Connection, spec: dict[str, Any]) -> None:
     safety.die_with_parent()
     safety.hard_deadline(_READY_TIMEOUT_S + spec["window_s"] + 60)
     try:
+        if spec["path"] is not None:
+            spec["path"].enter()
         conn.send(asyncio.run(_claim_loop(spec, conn)))
     except Exception as error:  # reported by the parent
         conn.send({"failed": repr(error)})
@@ -153,8 +156,14 @@ async def _reset(url: str, pending: int) -> None:
 
 
 def _run_one(
-    url: str, regime: Regime, variant: str, claimers: int, mode: Mode
+    url: str,
+    regime: Regime,
+    variant: str,
+    claimers: int,
+    mode: Mode,
+    path: LatencyPath | None,
 ) -> dict[str, Any]:
+    """One window; with ``path`` the claimers reach the server through it."""
     asyncio.run(_reset(url, mode.contention_pending))
     context = multiprocessing.get_context("fork")
     processes, pipes = [], []
@@ -162,7 +171,8 @@ def _run_one(
         for index in range(claimers):
             parent_end, child_end = context.Pipe(duplex=True)
             spec = {
-                "url": url,
+                "url": path.client_url if path else url,
+                "path": path,
                 "regime": regime,
                 "variant": variant,
                 "index": index,
@@ -212,6 +222,7 @@ def _run_one(
             counters[key] += value
     return {
         "regime": regime.name,
+        "rtt_ms": regime.rtt_ms,
         "variant": variant,
         "claimers": claimers,
         "claims_per_s": round(handed / mode.contention_s, 1),
@@ -231,14 +242,36 @@ def _run_one(
 
 
 def run(
-    url: str, regimes: tuple[Regime, ...], mode: Mode, log: Any
+    url: str,
+    regimes: tuple[Regime, ...],
+    mode: Mode,
+    log: Any,
+    path: LatencyPath | None,
 ) -> list[dict[str, Any]]:
     rows = []
     for regime in regimes:
-        for claimers in mode.claimers_for(regime.name):
-            for variant in VARIANTS:
-                log(f"contention: {regime.name}, {claimers} x {variant}")
-                rows.append(_run_one(url, regime, variant, claimers, mode))
+        if regime.rtt_ms and path is None:
+            log(f"contention: {regime.name} skipped: no latency path")
+            continue
+        if regime.rtt_ms and path is not None:
+            path.set_rtt(regime.rtt_ms)
+        try:
+            for claimers in mode.claimers_for(regime.name):
+                for variant in VARIANTS:
+                    log(f"contention: {regime.name}, {claimers} x {variant}")
+                    rows.append(
+                        _run_one(
+                            url,
+                            regime,
+                            variant,
+                            claimers,
+                            mode,
+                            path if regime.rtt_ms else None,
+                        )
+                    )
+        finally:
+            if regime.rtt_ms and path is not None:
+                path.set_rtt(0)
     asyncio.run(_drop(url))
     return rows
 

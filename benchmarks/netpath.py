@@ -18,6 +18,7 @@ connection. The measuring client reports the RTT it actually saw (PING).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -32,6 +33,7 @@ from benchmarks import safety
 from benchmarks.config import REPO_ROOT
 
 _NAMESPACE_PREFIX = "tacbench-"
+_CLONE_NEWNET = 0x40000000
 # Private range for our pair only; a /30 that overlaps nothing on this host.
 _POOL = ipaddress.IPv4Network("10.231.0.0/16")
 
@@ -189,6 +191,15 @@ class NetemPath:
     def command(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace, *argv]
 
+    def enter(self) -> None:
+        """Move this (single-threaded, forked) process into our namespace."""
+        fd = os.open(f"/run/netns/{self.namespace}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns into the benchmark namespace")
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         # Deleting the namespace destroys its veth end and with it the pair.
         _ip("netns", "del", self.namespace, check=False)
@@ -282,6 +293,9 @@ class ProxyPath:
 
     def command(self, argv: list[str]) -> list[str]:
         return argv
+
+    def enter(self) -> None:
+        return None
 
     def _stop_proxy(self) -> None:
         if self._proxy is not None:

@@ -135,7 +135,12 @@ def targets(results: dict[str, Any]) -> list[Row]:
             f"lock variants with any: {others or 'none'}",
         )
     )
-    for regime in ("lease_lt_idle", "lease_lt_idle_spin"):
+    notes = {
+        "lease_lt_idle": "loopback, back-off after a skip",
+        "lease_lt_idle_spin": "loopback, claimers spin",
+        "lease_lt_idle_rtt2ms": "2 ms RTT, back-off after a skip",
+    }
+    for regime, note in notes.items():
         atomic16 = _find(at16, variant="atomic", regime=regime)
         lock16 = _find(at16, variant="plain_lock", regime=regime)
         speedup = (
@@ -149,9 +154,7 @@ def targets(results: dict[str, Any]) -> list[Row]:
                 speedup,
                 ">= 3",
                 None if math.isnan(speedup) else speedup >= 3,
-                "back-off after a skip"
-                if regime == "lease_lt_idle"
-                else "claimers spin",
+                note,
             )
         )
 
