@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
 from taskiq_redis import RedisStreamBroker
 
+from benchmarks.config import Mode
 from benchmarks.stats import p50, percentile
 from taskiq_atomic_claim.drill import DrillReport, run_drill
 from taskiq_atomic_claim.drill_app import TASK_NAME
@@ -43,7 +44,7 @@ async def _find_drill_queue(client: Redis, deadline: float) -> str | None:
         async for key in client.scan_iter(
             match=_DRILL_QUEUES, _type="stream", count=100
         ):
-            name = key.decode()
+            name: str = key.decode()
             if not name.endswith(":drill-events"):
                 return name
         await asyncio.sleep(0.02)
@@ -120,24 +121,23 @@ def _row(
     }
 
 
-async def _run(
-    url: str, rounds: int, give_up_s: float, idle_ms: int, interval_ms: int, log: Any
-) -> list[dict[str, Any]]:
+async def _run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
     args = {
-        "idle_timeout": idle_ms,
-        "claim_interval": interval_ms,
-        "give_up_after": give_up_s,
+        "idle_timeout": mode.e2e_idle_timeout,
+        "claim_interval": mode.e2e_claim_interval,
+        "give_up_after": mode.e2e_give_up_s,
     }
     rows = []
     for broker in ("atomic", "upstream"):
         for queue in ("idle", "busy"):
+            rounds = mode.e2e_rounds
+            if (broker, queue) == ("upstream", "idle"):
+                rounds = mode.e2e_upstream_idle_rounds
             log(f"end to end: {broker} broker, {queue} queue, {rounds} kills")
             report, fills = await _drill(url, broker, queue, rounds, args)
-            rows.append(_row(report, broker, queue, fills, give_up_s))
+            rows.append(_row(report, broker, queue, fills, mode.e2e_give_up_s))
     return rows
 
 
-def run(
-    url: str, rounds: int, give_up_s: float, idle_ms: int, interval_ms: int, log: Any
-) -> list[dict[str, Any]]:
-    return asyncio.run(_run(url, rounds, give_up_s, idle_ms, interval_ms, log))
+def run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
+    return asyncio.run(_run(url, mode, log))
