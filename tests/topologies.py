@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import os
 import random
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -544,6 +546,15 @@ def _awaiting(coro: Any) -> list[str]:
     return where
 
 
+def _suspended_async_generators() -> list[Any]:
+    found = []
+    for obj in gc.get_objects():
+        with contextlib.suppress(ReferenceError):  # dead weak proxies
+            if type(obj) is types.AsyncGeneratorType and obj.ag_await is not None:
+                found.append(obj)
+    return found
+
+
 def bounded(seconds: float) -> Callable[[Any], Any]:
     """Fail an async test that runs longer than ``seconds``, showing where
     every task was waiting (cancellation alone could be swallowed by a
@@ -559,6 +570,12 @@ def bounded(seconds: float) -> Callable[[Any], Any]:
                     f"{other.get_name()}: {' -> '.join(_awaiting(other.get_coro()))}"
                     for other in asyncio.all_tasks()
                     if other is not asyncio.current_task()
+                )
+                # Async generators suspended mid-await hide their frames
+                # from the task's chain.
+                stacks += "".join(
+                    f"\n{gen.__qualname__}: {' -> '.join(_awaiting(gen))}"
+                    for gen in _suspended_async_generators()
                 )
                 task.cancel()
                 await asyncio.wait({task}, timeout=10)
@@ -716,9 +733,19 @@ class Consumer:
         return None
 
     async def stop(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        # Cancel until it takes: on Python 3.11 a cancellation that lands
+        # while redis-py sends a command (asyncio.wait_for around the write)
+        # can be lost, and the listen loop carries on.
+        for _ in range(50):
+            self.task.cancel()
+            done, _ = await asyncio.wait({self.task}, timeout=0.2)
+            if done:
+                break
+        else:
+            raise RuntimeError("the listen task ignored 50 cancellations")
+        error = None if self.task.cancelled() else self.task.exception()
+        if error is not None:
+            raise error
         await self.listener.aclose()
 
     async def die(self) -> None:
