@@ -296,8 +296,10 @@ async def test_entries_read_while_the_consumer_is_busy_are_heartbeated(
     assert streams[1] in busy.in_flight and busy.in_flight[streams[1]]
     later = await asyncio.wait_for(listener.__anext__(), 5)
     assert later.data == b"second"
-    await received.ack()
-    await later.ack()
+    for delivered in (received, later):
+        acked = delivered.ack()
+        if acked is not None:
+            await acked
     await listener.aclose()
 
 
@@ -391,7 +393,8 @@ async def _drill_round(
             workers.start("doomed")
             ready = await events.wait_for("ready", 30, worker="doomed")
             assert ready is not None, workers.log("doomed")
-            await AsyncKicker(TASK_NAME, kicker, {}).kiq(run, 1.0)
+            task: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, kicker, {})
+            await task.kiq(run, 1.0)
             delivered = await events.wait_for("started", 15, run, "doomed")
             assert delivered is not None, workers.log("doomed")
             victim = cluster.node_for(queue)

@@ -315,7 +315,8 @@ async def test_crash_drill_across_a_forced_failover(
             assert await events.wait_for("ready", 30, worker="doomed"), workers.log(
                 "doomed"
             )
-            await AsyncKicker(TASK_NAME, kicker, {}).kiq(run, 1.0)
+            task: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, kicker, {})
+            await task.kiq(run, 1.0)
             delivered = await events.wait_for("started", 15, run, "doomed")
             assert delivered is not None, workers.log("doomed")
             await asyncio.to_thread(replicate, setup)
