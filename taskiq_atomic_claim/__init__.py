@@ -3,10 +3,17 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 
 try:
     __version__ = version("taskiq-atomic-claim")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0+unknown"
 
-__all__ = ["AtomicRedisStreamBroker", "__version__"]
+__all__ = [
+    "AtomicRedisStreamBroker",
+    "AtomicRedisStreamClusterBroker",
+    "AtomicRedisStreamSentinelBroker",
+    "__version__",
+]

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage
 
@@ -167,6 +167,14 @@ class ReclaimingListener:
                     await outage.failed(error)
                     continue
                 except ResponseError as error:
+                    demoted = isinstance(error, ReadOnlyError) or str(error).startswith(
+                        "UNBLOCKED"
+                    )
+                    if demoted:
+                        # The server became a replica (under a blocked read,
+                        # or before this call): wait for a primary again.
+                        await outage.failed(error)
+                        continue
                     if "NOGROUP" not in str(error):
                         raise
                     # Server restarted empty or the group was deleted.

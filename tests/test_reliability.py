@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.reclaiming import StreamTypeError
 from taskiq_atomic_claim.scripts import LoadMode
 from tests.conftest import Server
@@ -274,4 +275,31 @@ async def test_an_ack_that_cannot_reach_the_server_stops_the_heartbeat(
     finally:
         server.local.start()
         await redis.connection_pool.disconnect()
+        await broker.shutdown()
+
+
+async def test_a_server_demoted_under_a_blocked_read_does_not_end_listen(
+    server: Server, redis: Redis
+) -> None:
+    # REPLICAOF (a failover done by hand) answers blocked reads with UNBLOCKED.
+    if server.local is None:
+        pytest.skip("needs a server this suite started")
+    broker = await started(
+        server, xread_block=2000, idle_timeout=5000, claim_interval=1000
+    )
+    try:
+        with LocalServer(server.local.binary) as other:
+            listener = broker.listen()
+            nxt = asyncio.ensure_future(listener.__anext__())
+            await asyncio.sleep(0.3)  # inside a blocked XREADGROUP
+            await redis.execute_command("REPLICAOF", "127.0.0.1", str(other.port))
+            await asyncio.sleep(0.5)
+            assert not nxt.done(), "listen() must ride out UNBLOCKED"
+            await redis.execute_command("REPLICAOF", "NO", "ONE")
+        await group_recreated(redis)
+        await broker.kick(message("after-demotion"))
+        received = await asyncio.wait_for(nxt, 15)
+        assert received.data == b"after-demotion"
+        await received.ack()
+    finally:
         await broker.shutdown()
