@@ -9,12 +9,7 @@ from redis.asyncio import Redis
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim.reclaiming import ReclaimingListener
-from taskiq_atomic_claim.settings import (
-    DEFAULT_MAX_DELIVERIES,
-    ClaimSettings,
-    require_name,
-    require_positive_int,
-)
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
 
 
 class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
@@ -59,14 +54,12 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             (worker crashes included) goes to the dead-letter stream instead
             of crash-looping the fleet; None never gives up.
         """
-        claim_settings = ClaimSettings.from_broker_arguments(
+        claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
             claim_interval=claim_interval,
             unacknowledged_batch_size=unacknowledged_batch_size,
             unacknowledged_lock_timeout=unacknowledged_lock_timeout,
             max_deliveries=max_deliveries,
-        )
-        _check_stream_arguments(
             queue_name=queue_name,
             consumer_group_name=consumer_group_name,
             consumer_name=consumer_name,
@@ -106,39 +99,3 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         """Hand unacked deliveries back, then close the pool."""
         await self.hand_back()
         await super().shutdown()
-
-
-def _check_stream_arguments(
-    *,
-    queue_name: object,
-    consumer_group_name: object,
-    consumer_name: object,
-    xread_block: object,
-    maxlen: object,
-    xread_count: object,
-    additional_streams: object,
-) -> None:
-    require_name("queue_name", queue_name)
-    require_name("consumer_group_name", consumer_group_name)
-    if consumer_name is not None:
-        require_name("consumer_name", consumer_name)
-    if (
-        not isinstance(xread_block, int)
-        or isinstance(xread_block, bool)
-        or xread_block < 0
-    ):
-        raise ValueError(
-            f"xread_block must be an integer >= 0 (ms), got {xread_block!r}"
-        )
-    if maxlen is not None:
-        require_positive_int("maxlen", maxlen)
-    if xread_count is not None:
-        require_positive_int("xread_count", xread_count)
-    if additional_streams is not None:
-        if not isinstance(additional_streams, dict):
-            raise ValueError(
-                "additional_streams must be a dict of stream name to start id,"
-                f" got {additional_streams!r}"
-            )
-        for stream in additional_streams:
-            require_name("additional_streams key", stream)

@@ -43,12 +43,11 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from taskiq_redis import RedisStreamClusterBroker
 
-from taskiq_atomic_claim.broker import _check_stream_arguments
 from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
 from taskiq_atomic_claim.scripts import _library_name
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, ClaimSettings
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
 
 # (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
 StreamEntries = list[tuple[Any, Any]]
@@ -373,14 +372,12 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
-        claim_settings = ClaimSettings.from_broker_arguments(
+        claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
             claim_interval=claim_interval,
             unacknowledged_batch_size=unacknowledged_batch_size,
             unacknowledged_lock_timeout=unacknowledged_lock_timeout,
             max_deliveries=max_deliveries,
-        )
-        _check_stream_arguments(
             queue_name=queue_name,
             consumer_group_name=consumer_group_name,
             consumer_name=consumer_name,

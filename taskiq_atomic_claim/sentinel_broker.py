@@ -35,12 +35,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from taskiq_redis import RedisStreamSentinelBroker
 
-from taskiq_atomic_claim.broker import _check_stream_arguments
 from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
 from taskiq_atomic_claim.settings import (
     DEFAULT_MAX_DELIVERIES,
-    ClaimSettings,
+    check_broker_arguments,
     require_name,
 )
 
@@ -111,14 +110,12 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         :param max_deliveries: an entry delivered more often than this goes
             to the dead-letter stream; None never gives up.
         """
-        claim_settings = ClaimSettings.from_broker_arguments(
+        claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
             claim_interval=claim_interval,
             unacknowledged_batch_size=unacknowledged_batch_size,
             unacknowledged_lock_timeout=unacknowledged_lock_timeout,
             max_deliveries=max_deliveries,
-        )
-        _check_stream_arguments(
             queue_name=queue_name,
             consumer_group_name=consumer_group_name,
             consumer_name=consumer_name,

@@ -98,3 +98,74 @@ class ClaimSettings:
     def cursor_ttl(self) -> int:
         # Outlives a few claim cycles; if it lapses the scan restarts at 0-0.
         return self.idle_timeout + 2 * self.claim_interval
+
+
+def _check_stream_arguments(
+    *,
+    queue_name: object,
+    consumer_group_name: object,
+    consumer_name: object,
+    xread_block: object,
+    maxlen: object,
+    xread_count: object,
+    additional_streams: object,
+) -> None:
+    require_name("queue_name", queue_name)
+    require_name("consumer_group_name", consumer_group_name)
+    if consumer_name is not None:
+        require_name("consumer_name", consumer_name)
+    if (
+        not isinstance(xread_block, int)
+        or isinstance(xread_block, bool)
+        or xread_block < 0
+    ):
+        raise ValueError(
+            f"xread_block must be an integer >= 0 (ms), got {xread_block!r}"
+        )
+    if maxlen is not None:
+        require_positive_int("maxlen", maxlen)
+    if xread_count is not None:
+        require_positive_int("xread_count", xread_count)
+    if additional_streams is not None:
+        if not isinstance(additional_streams, dict):
+            raise ValueError(
+                "additional_streams must be a dict of stream name to start id,"
+                f" got {additional_streams!r}"
+            )
+        for stream in additional_streams:
+            require_name("additional_streams key", stream)
+
+
+def check_broker_arguments(
+    *,
+    idle_timeout: object,
+    claim_interval: object,
+    unacknowledged_batch_size: object,
+    unacknowledged_lock_timeout: object,
+    max_deliveries: object,
+    queue_name: object,
+    consumer_group_name: object,
+    consumer_name: object,
+    xread_block: object,
+    maxlen: object,
+    xread_count: object,
+    additional_streams: object,
+) -> ClaimSettings:
+    """Every check the brokers share; a ValueError names the parameter."""
+    settings = ClaimSettings.from_broker_arguments(
+        idle_timeout=idle_timeout,
+        claim_interval=claim_interval,
+        unacknowledged_batch_size=unacknowledged_batch_size,
+        unacknowledged_lock_timeout=unacknowledged_lock_timeout,
+        max_deliveries=max_deliveries,
+    )
+    _check_stream_arguments(
+        queue_name=queue_name,
+        consumer_group_name=consumer_group_name,
+        consumer_name=consumer_name,
+        xread_block=xread_block,
+        maxlen=maxlen,
+        xread_count=xread_count,
+        additional_streams=additional_streams,
+    )
+    return settings
