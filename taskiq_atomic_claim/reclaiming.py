@@ -336,11 +336,20 @@ class ReclaimingListener:
                     ids.discard(entry_id)
 
     async def stop_heartbeat(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        task, self._heartbeat = self._heartbeat, None
+        if task is None:
+            return
+        # A cancel that lands inside a redis-py call can be swallowed there
+        # (the call returns normally, the loop sleeps on): cancel until the
+        # task is gone, or shutdown waits forever. Bounded: a beat is short.
+        for _ in range(100):
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                break
+        if task.done():
             with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-            self._heartbeat = None
+                await task
 
     async def hand_back(self) -> int:
         """Make every unacked delivery claimable at once (graceful shutdown).
