@@ -72,6 +72,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="auto: netem in a network namespace, else the loopback delay proxy",
     )
     parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="measure nothing: print the report and redraw the plot from a saved run",
+    )
+    parser.add_argument(
         "--parts",
         default=",".join(PARTS),
         help=f"comma-separated subset of: {','.join(PARTS)}",
@@ -126,9 +131,20 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _from_json(args: argparse.Namespace) -> int:
+    results = json.loads(args.from_json.read_text())
+    print(report.render(results))
+    plot_path = args.plot or args.from_json.parent / "claim_latency.png"
+    if report.plot(results, plot_path):
+        print(f"wrote {plot_path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.from_json:
+        return _from_json(args)
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     safety.install()
     started = time.monotonic()

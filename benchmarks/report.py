@@ -461,7 +461,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
             (r for r in rows if r["variant"] == variant), key=lambda r: r["rtt_ms"]
         )
         x = [r["rtt_ms"] for r in mine]
-        label = f"{variant} ({trips.get(variant, math.nan):g} round trips/cycle)"
+        label = f"{variant}: {trips.get(variant, math.nan):g} round trip(s) per cycle"
         (line,) = axis.plot(
             x, [r["p50_us"] / 1000 for r in mine], marker="o", label=label
         )
