@@ -8,50 +8,14 @@ rows and signs, never its timings, which belong to the machine.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"atomic", "plain_lock", "bare_xautoclaim", "upstream_1_2_4"}
 
 
-def _netns_denied() -> str | None:
-    """Why this process may not create a network namespace, or None."""
-    if os.geteuid() != 0:
-        return "not root"
-    name = f"tacbench-probe-{uuid.uuid4().hex[:6]}"
-    try:
-        added = subprocess.run(
-            ["ip", "netns", "add", name],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"`ip netns` unusable: {error}"
-    if added.returncode != 0:
-        return added.stderr.strip() or "`ip netns add` failed"
-    subprocess.run(
-        ["ip", "netns", "del", name], check=False, capture_output=True, timeout=10
-    )
-    return None
-
-
-NETNS_DENIED = _netns_denied()
-
-
-@pytest.mark.skipif(
-    NETNS_DENIED is not None,
-    reason=f"no permission to create a network namespace ({NETNS_DENIED}); the"
-    " benchmark's RTT injection wants one (it falls back to a loopback delay"
-    " proxy: run `python -m benchmarks --smoke --latency-method proxy` by hand)",
-)
 def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     done = subprocess.run(
