@@ -37,7 +37,7 @@ from taskiq_atomic_claim.inspection import (
     inspect_server,
     text,
 )
-from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 
 # taskiq-redis's RedisStreamBroker default idle_timeout (ms).
@@ -345,28 +345,41 @@ SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them
 HANDSHAKE_62 = ("client|setinfo", "client|maint_notifications")
 HANDSHAKE_72 = ("client|setinfo",)
 
-WORKER_ACL = f"""The ACL a worker needs, per queue (or additional stream) S and group G.
+WORKER_ACL = """The ACL a worker needs, for group G and queue (or additional stream) S.
 
-Keys: ~S, ~{PREFIX}:lease:{{S}}:G, ~{PREFIX}:cursor:{{S}}:G,
-~{PREFIX}:dead:{{S}}:G ({{S}} is S itself when S has a hash tag), glob
-characters in names escaped and whitespace, which ACL patterns cannot hold,
-matched by ?. No channels. Commands: {", ".join("+" + c for c, _ in WORKER_COMMANDS)},
-plus +fcall +function|load on Redis/Valkey >= 7 or +evalsha +script|load on
-6.2, plus (optional, only so redis-py's connect is not logged as refused)
-+client|setinfo on 6.2 and >= 7.2, +client|maint_notifications on 6.2.
-Scripts run with the caller's
-ACL, so every command they issue is listed. Without +function|load /
-+script|load a worker cannot reload a library lost to a restart or flush:
-then run `load` after every such event.
+Keys, per stream S:
+    ~S
+    ~taskiq-atomic-claim:lease:{S}:G
+    ~taskiq-atomic-claim:cursor:{S}:G
+    ~taskiq-atomic-claim:dead:{S}:G
+  ({S} is S itself when S already has a hash tag.) Glob characters * ? [ ] \\
+  in names are escaped; ASCII whitespace and NUL, which ACL patterns cannot
+  hold, become ? (any one byte).
+Channels: none (resetchannels).
+Commands: -@all, then
+    +xreadgroup +xack +xadd +xgroup|create +type +info
+    +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
+  and, to call the library and reload it when lost (restart, flush, failover):
+    Redis/Valkey >= 7:  +fcall +function|load
+    Redis 6.2:          +evalsha +script|load
+  and, optional, so redis-py's connect is not logged as refused in ACL LOG:
+    Redis 6.2:          +client|setinfo +client|maint_notifications
+    Redis >= 7.2/Valkey: +client|setinfo
+Scripts run with the caller's ACL, so the commands they issue are listed too.
+Without +function|load / +script|load a worker cannot reload a lost library:
+then run `taskiq-atomic-claim load` after every restart or flush.
 """
 
 _GLOB = re.compile(r"([*?\[\]\\])")
-_SPACE = re.compile(r"\s")
+# What ACL SETUSER refuses in a pattern (a syntax error): ASCII whitespace and
+# NUL, each one byte, so one "?" matches it. Unicode spaces pass as they are.
+_UNSAYABLE = re.compile(r"[ \t\n\v\f\r\x00]")
 
 
 def acl_pattern(name: str) -> str:
-    """A key name as an ACL pattern matching it (and, for whitespace, a bit more)."""
-    return _SPACE.sub("?", _GLOB.sub(r"\\\1", name))
+    """A key name as an ACL pattern matching it; where it holds whitespace or
+    NUL, which patterns cannot, "?" there matches any one byte."""
+    return _UNSAYABLE.sub("?", _GLOB.sub(r"\\\1", name))
 
 
 def worker_key_patterns(

@@ -9,20 +9,68 @@
 
 Behaviour tests take the ``server`` fixture and run once per server found.
 After every test, no key other than a stream may exist without an expiry.
+
+Every server also has a restricted user, ``WORKER_USER``, holding exactly the
+documented worker ACL (``taskiq_atomic_claim.doctor.worker_acl_rule``) for
+the names the suite's workers use. Tests marked ``worker_acl`` (all of
+``WORKER_ACL_MODULES``) get a ``server`` whose ``url`` logs in as that user,
+and fail if the server's ACL LOG shows any command of that user refused;
+the ``redis`` fixture and ``server.admin_url`` stay the default user. Local
+servers read the user from an ACL file, so it survives their restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis as sync_redis
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
+from taskiq_atomic_claim.doctor import worker_acl_rule, worker_key_patterns
 from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries
 
 _BINARIES = {binary.label: binary for binary in find_binaries()}
+
+WORKER_USER = "tac-worker"
+WORKER_PASSWORD = "tac-worker-password"
+# Behaviour tests of workers: run as WORKER_USER.
+WORKER_ACL_MODULES = frozenset(
+    {"test_broker", "test_reliability", "test_dead_letters", "test_crash_drill"}
+)
+# What those tests' workers read: queue "taskiq" with additional stream
+# "extra", and the crash drill's queues, all as group "taskiq".
+SUITE_STREAMS = ("taskiq", "extra")
+SUITE_GROUP = "taskiq"
+DRILL_QUEUES = "taskiq-atomic-claim-drill-*"
+# The drill's own harness, beyond what its workers need: it waits for the
+# workers' events with XREAD on "<queue>:drill-events" (inside DRILL_QUEUES)
+# and plants taskiq-redis 1.1.2's lock "autoclaim:taskiq:<queue>".
+DRILL_HARNESS = ("+xread", f"~autoclaim:taskiq:{DRILL_QUEUES}")
+
+
+def suite_worker_rule(server_version: str) -> list[str]:
+    """The documented worker rule for the suite's names, plus the harness's."""
+    rule = worker_acl_rule(list(SUITE_STREAMS), SUITE_GROUP, server_version)
+    drill_keys = worker_key_patterns([DRILL_QUEUES], SUITE_GROUP, literal=False)
+    keys = [r for r in rule if r.startswith("~")] + drill_keys
+    commands = [r for r in rule if r.startswith(("+", "-"))]
+    extra_keys = [r for r in DRILL_HARNESS if r.startswith("~")]
+    extra_commands = [r for r in DRILL_HARNESS if r.startswith("+")]
+    return ["resetchannels", *keys, *extra_keys, *commands, *extra_commands]
+
+
+def with_user(url: str, user: str, password: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,9 +79,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "worker_acl: run workers as the restricted worker user"
+    )
+    config.addinivalue_line(
+        "markers", "tls: needs a TLS-enabled Redis 7 (Debian's redis-server)"
+    )
+
+
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
+    for item in items:
+        if item.path.stem in WORKER_ACL_MODULES:
+            item.add_marker(pytest.mark.worker_acl)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="long run: pass --slow")
@@ -48,6 +108,16 @@ class Server:
     url: str
     local: LocalServer | None = None
     _clients: list[Redis] = field(default_factory=list)
+    # The default user's URL; ``url`` is the worker user's in worker_acl tests.
+    admin_url: str = ""
+    # Logs in as WORKER_USER.
+    worker_url: str = ""
+
+    def __post_init__(self) -> None:
+        self.admin_url = self.admin_url or self.url
+        self.worker_url = self.worker_url or with_user(
+            self.admin_url, WORKER_USER, WORKER_PASSWORD
+        )
 
     @property
     def major(self) -> int:
@@ -83,11 +153,35 @@ def _server_params() -> list[str]:
     return params
 
 
+@contextlib.contextmanager
+def _worker_user(server: Server) -> Iterator[Server]:
+    """Create WORKER_USER on a server this suite did not start; remove it after."""
+    with sync_redis.Redis.from_url(server.admin_url) as admin:
+        version = str(admin.info("server")["redis_version"])
+        admin.execute_command(
+            "ACL",
+            "SETUSER",
+            WORKER_USER,
+            "reset",
+            "on",
+            f">{WORKER_PASSWORD}",
+            *suite_worker_rule(version),
+        )
+        try:
+            yield server
+        finally:
+            admin.execute_command("ACL", "DELUSER", WORKER_USER)
+
+
 @pytest.fixture(scope="session", params=_server_params())
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+def server_process(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One running server per param, shared by the session."""
     kind: str = request.param
     if kind == "env":
-        yield Server("REDIS_URL", os.environ["REDIS_URL"])
+        with _worker_user(Server("REDIS_URL", os.environ["REDIS_URL"])) as env:
+            yield env
         return
     if kind == "container":
         from testcontainers.redis import RedisContainer  # noqa: PLC0415
@@ -95,10 +189,46 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         with RedisContainer("redis:7.4") as container:
             host = container.get_container_host_ip()
             port = container.get_exposed_port(6379)
-            yield Server("testcontainers-redis-7.4", f"redis://{host}:{port}")
+            remote = Server("testcontainers-redis-7.4", f"redis://{host}:{port}")
+            with _worker_user(remote) as started:
+                yield started
         return
-    with LocalServer(_BINARIES[kind]) as local:
+    binary = _BINARIES[kind]
+    acl_file = Path(tmp_path_factory.mktemp("acl")) / "users.acl"
+    acl_file.write_text(
+        "user default on nopass ~* &* +@all\n"
+        f"user {WORKER_USER} on >{WORKER_PASSWORD}"
+        f" {' '.join(suite_worker_rule(binary.version))}\n"
+    )
+    with LocalServer(binary, extra_args=("--aclfile", str(acl_file))) as local:
         yield Server(kind, local.url, local)
+
+
+def _refused(admin_url: str) -> list[str]:
+    with sync_redis.Redis.from_url(admin_url) as admin:
+        entries = admin.execute_command("ACL", "LOG")
+    return [
+        f"{entry[b'reason'].decode()} {entry[b'object'].decode()!r}"
+        for entry in (dict(e) if isinstance(e, dict) else e for e in entries)
+        if entry[b"username"].decode() == WORKER_USER
+    ]
+
+
+@pytest.fixture
+def server(server_process: Server, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The server; in worker_acl tests ``url`` logs in as WORKER_USER."""
+    if request.node.get_closest_marker("worker_acl") is None:
+        yield server_process
+        return
+    with sync_redis.Redis.from_url(server_process.admin_url) as admin:
+        admin.execute_command("ACL", "LOG", "RESET")
+    yield dataclasses.replace(server_process, url=server_process.worker_url)
+    try:
+        refused = _refused(server_process.admin_url)
+    except RedisError:
+        return  # the server is down after a failed fault test; nothing to read
+    if refused:
+        pytest.fail(f"the worker ACL refused: {refused}")
 
 
 @pytest.fixture
@@ -109,7 +239,7 @@ def planted_keys() -> set[str]:
 
 @pytest.fixture
 async def redis(server: Server, planted_keys: set[str]) -> AsyncIterator[Redis]:
-    client = Redis.from_url(server.url)
+    client = Redis.from_url(server.admin_url)
     await client.flushall()
     yield client
     try:

@@ -1,0 +1,324 @@
+"""The worker ACL of ``doctor.worker_acl_rule``, derived and checked on real servers.
+
+A scenario drives every path a worker takes to the server (startup, kick,
+read, reclaim, heartbeat, dead letter, script reload, a foreign lease, hand
+back). With the documented rule it runs with nothing refused; with any one
+command taken out the server refuses exactly that command: the rule is
+enough, and nothing in it is spare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import NoPermissionError, RedisError
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.doctor import (
+    WORKER_ACL,
+    acl_pattern,
+    worker_acl_rule,
+    worker_commands,
+    worker_key_patterns,
+)
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+from tests.conftest import (
+    DRILL_HARNESS,
+    DRILL_QUEUES,
+    SUITE_GROUP,
+    SUITE_STREAMS,
+    WORKER_USER,
+    Server,
+    with_user,
+)
+
+USER, PASSWORD = "acl-test-worker", "acl-test-password"
+QUEUE, SIDE, GROUP = "jobs", "side", "workers"
+IDLE_MS = 150
+
+
+async def version_of(redis: Redis) -> str:
+    return str((await redis.info("server"))["redis_version"])
+
+
+async def set_user(redis: Redis, rule: list[str]) -> None:
+    await redis.execute_command(
+        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", *rule
+    )
+
+
+async def refused(redis: Redis) -> list[str]:
+    return [
+        entry[b"object"].decode()
+        for entry in await redis.execute_command("ACL", "LOG")
+        if entry[b"username"].decode() == USER
+    ]
+
+
+def message(body: str) -> BrokerMessage:
+    return BrokerMessage(task_id=body, task_name="t", message=body.encode(), labels={})
+
+
+async def exercise(url: str, redis: Redis) -> None:
+    """Every way a worker talks to the server, once; errors are the ACL's."""
+    steps: list[str] = []
+    task = asyncio.ensure_future(_exercise(url, redis, steps))
+    done, _ = await asyncio.wait({task}, timeout=30)
+    if not done:
+        task.cancel()
+        pytest.fail(f"the scenario hung after: {steps}")
+    task.result()
+
+
+async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
+    await redis.execute_command("SCRIPT", "FLUSH")
+    if await ScriptRunner().mode(redis) is LoadMode.FUNCTIONS:
+        await redis.execute_command("FUNCTION", "FLUSH")
+    jobs, side = StreamKeys(QUEUE, GROUP), StreamKeys(SIDE, GROUP)
+    for stream in (QUEUE, SIDE):
+        await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    # A lease of another claimer, once without an expiry (PTTL, PEXPIRE).
+    await redis.set(side.lease, "someone-else")
+    # Pending at a consumer that died (XAUTOCLAIM), and an entry without
+    # data (the dead_letter script).
+    await redis.xadd(QUEUE, {"data": "orphan"})
+    await redis.xreadgroup(GROUP, "dead", {QUEUE: ">"})
+    await redis.xadd(QUEUE, {"written-by": "someone else"})
+    await asyncio.sleep(IDLE_MS / 1000)
+    broker = AtomicRedisStreamBroker(
+        url,
+        queue_name=QUEUE,
+        consumer_group_name=GROUP,
+        consumer_name="worker",
+        additional_streams={SIDE: ">"},
+        idle_timeout=IDLE_MS,
+        claim_interval=50,
+        xread_block=50,
+    )
+    listener = broker.listen()
+    try:
+        with contextlib.suppress(RedisError, asyncio.TimeoutError):
+            steps.append("startup")
+            await broker.startup()
+            steps.append("kick")
+            await broker.kick(message("new"))
+            got = []
+            for _ in range(2):
+                steps.append("listen")
+                got.append(await asyncio.wait_for(listener.__anext__(), 3))
+            assert sorted(m.data for m in got) == [b"new", b"orphan"]
+            # Held past a heartbeat, then acked one; hand back the other.
+            await asyncio.sleep(IDLE_MS / 1000)
+            steps.append("ack")
+            await got[0].ack()
+            steps.append("hand back")
+            await broker.hand_back()
+    finally:
+        steps.append("shutdown")
+        with contextlib.suppress(RedisError, RuntimeError):
+            await listener.aclose()
+        with contextlib.suppress(RedisError):
+            await broker.shutdown()
+        await redis.delete(jobs.lease, side.lease)
+        steps.append("done")
+
+
+def _same(denied: str, command: str) -> bool:
+    # 6.2 logs a refused subcommand under its command's name.
+    return denied == command or denied == command.split("|", 1)[0]
+
+
+async def test_the_rule_is_enough_and_nothing_in_it_is_spare(
+    server: Server, redis: Redis
+) -> None:
+    version = await version_of(redis)
+    url = with_user(server.url, USER, PASSWORD)
+    rule = worker_acl_rule([QUEUE, SIDE], GROUP, version)
+    await set_user(redis, rule)
+    await redis.execute_command("ACL", "LOG", "RESET")
+    await exercise(url, redis)
+    assert await refused(redis) == []
+
+    commands = worker_commands(version, handshake=False)
+    for command in commands:
+        await redis.flushall()
+        await set_user(redis, [r for r in rule if r != command])
+        await redis.execute_command("ACL", "LOG", "RESET")
+        await exercise(url, redis)
+        denied = await refused(redis)
+        assert any(_same(d, command[1:]) for d in denied), (command, denied)
+
+
+async def test_commands_and_keys_outside_the_rule_are_refused(
+    server: Server, redis: Redis
+) -> None:
+    version = await version_of(redis)
+    await set_user(redis, worker_acl_rule([QUEUE], GROUP, version))
+    await redis.set("secret", "x", px=60_000)
+    worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
+    try:
+        await worker.xadd(QUEUE, {"data": "mine"})
+        for forbidden in (
+            ("ACL", "WHOAMI"),
+            ("FLUSHALL",),
+            ("KEYS", "*"),
+            ("CONFIG", "GET", "*"),
+            ("SCRIPT", "FLUSH"),
+            ("EVAL", "return 1", "0"),
+            ("PUBLISH", "channel", "x"),
+            ("XGROUP", "DESTROY", QUEUE, GROUP),
+            ("GET", "secret"),
+            ("XADD", "other-queue", "*", "data", "x"),
+            ("XADD", StreamKeys(QUEUE, "other-group").dead_letters, "*", "a", "b"),
+        ):
+            with pytest.raises(NoPermissionError):
+                await worker.execute_command(*forbidden)
+        if int(version.split(".")[0]) >= 7:
+            for forbidden in (("FUNCTION", "FLUSH"), ("FUNCTION", "DELETE", "x")):
+                with pytest.raises(NoPermissionError):
+                    await worker.execute_command(*forbidden)
+    finally:
+        await worker.aclose()
+
+
+async def test_without_reload_a_flushed_library_needs_an_operator(
+    server: Server, redis: Redis
+) -> None:
+    version = await version_of(redis)
+    await set_user(redis, worker_acl_rule([QUEUE], GROUP, version, reload=False))
+    await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
+    settings = ClaimSettings.from_broker_arguments(1000, None, 10, None)
+    keys = StreamKeys(QUEUE, GROUP)
+    worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
+    try:
+        await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
+        await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+        await redis.execute_command("SCRIPT", "FLUSH")
+        if int(version.split(".")[0]) >= 7:
+            await redis.execute_command("FUNCTION", "FLUSH")
+        with pytest.raises(NoPermissionError):
+            await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+    finally:
+        await worker.aclose()
+        await redis.delete(keys.lease)
+
+
+async def test_names_with_glob_characters_match_only_themselves(
+    server: Server, redis: Redis
+) -> None:
+    version = await version_of(redis)
+    queue = "jobs[1]*?\\x"
+    await set_user(redis, worker_acl_rule([queue], GROUP, version))
+    worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
+    try:
+        await worker.xadd(queue, {"data": "mine"})
+        for lookalike in ("jobs1anything\\x", "jobs[1]*?\\", "jobs1ab\\x"):
+            with pytest.raises(NoPermissionError):
+                await worker.xadd(lookalike, {"data": "x"})
+    finally:
+        await worker.aclose()
+
+
+async def test_whitespace_in_a_name_widens_the_pattern_by_one_character(
+    server: Server, redis: Redis
+) -> None:
+    # ACL patterns cannot hold whitespace (ACL SETUSER: syntax error), so
+    # each whitespace character is matched by "?": documented in WORKER_ACL.
+    version = await version_of(redis)
+    queue = "my queue"
+    with pytest.raises(RedisError, match=r"(?i)syntax"):
+        await set_user(redis, ["~" + queue])
+    await set_user(redis, worker_acl_rule([queue], GROUP, version))
+    assert acl_pattern(queue) == "my?queue"
+    worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
+    try:
+        await worker.xadd(queue, {"data": "mine"})
+        await worker.xadd("my_queue", {"data": "the documented widening"})
+        with pytest.raises(NoPermissionError):
+            await worker.xadd("my  queue", {"data": "x"})
+    finally:
+        await worker.aclose()
+    assert "whitespace" in WORKER_ACL
+
+
+def acl_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "taskiq_atomic_claim.cli", "acl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_the_acl_command_prints_a_rule_the_server_takes(
+    server: Server, redis: Redis
+) -> None:
+    result = acl_command(
+        "--url", server.url, "--queue", QUEUE, "--queue", SIDE, "--group", GROUP,
+        "--user", USER,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    comment, line = result.stdout.splitlines()
+    assert comment.startswith("# ")
+    words = line.split()
+    assert words[:6] == ["ACL", "SETUSER", USER, "reset", "on", ">CHANGE-ME"]
+    rule = worker_acl_rule([QUEUE, SIDE], GROUP, await version_of(redis))
+    assert words[6:] == rule
+    assert "~*" not in rule and "+@all" not in rule
+    words[5] = f">{PASSWORD}"
+    assert await redis.execute_command(*words) in (b"OK", "OK")
+
+
+@pytest.mark.worker_acl
+async def test_the_suite_runs_workers_as_the_documented_rule(
+    server: Server, redis: Redis
+) -> None:
+    """What the worker_acl tests run with: the documented rule for their names."""
+    assert f"{WORKER_USER}:" in server.url
+    version = await version_of(redis)
+    user: Any = await redis.execute_command("ACL", "GETUSER", WORKER_USER)
+    fields = (
+        dict(zip(user[::2], user[1::2], strict=True))
+        if isinstance(user, list)
+        else user
+    )
+    keys = fields[b"keys"]
+    listed = (
+        keys.decode().split()
+        if isinstance(keys, bytes)
+        else ["~" + k.decode() for k in keys]
+    )
+    expected = [
+        *worker_key_patterns(list(SUITE_STREAMS), SUITE_GROUP),
+        *worker_key_patterns([DRILL_QUEUES], SUITE_GROUP, literal=False),
+        *(r for r in DRILL_HARNESS if r.startswith("~")),
+    ]
+    assert sorted(listed) == sorted(expected)
+    assert "~*" not in listed
+    commands = fields[b"commands"].decode().split()
+    assert "+@all" not in commands
+    if int(version.split(".")[0]) < 7:
+        return  # 6.2 describes a command set with categories of its own choice
+    assert commands[0] == "-@all"
+    assert sorted(commands[1:]) == sorted(
+        [*worker_commands(version), *(r for r in DRILL_HARNESS if r.startswith("+"))]
+    )
+
+
+def test_the_documented_rule_is_the_one_the_code_makes() -> None:
+    for version in ("6.2", "7.0", "7.2"):
+        for command in worker_commands(version):
+            assert command in WORKER_ACL, (version, command)
+    for pattern in worker_key_patterns(["S"], "G"):
+        assert pattern in WORKER_ACL
