@@ -35,6 +35,7 @@ from taskiq_atomic_claim.doctor import (
 from taskiq_atomic_claim.inspection import (
     inspect_server,
     inspection_to_json,
+    plural,
     render_inspection,
     server_version,
 )
@@ -200,8 +201,9 @@ def _report(diagnosis: Diagnosis, fixing: bool) -> None:
                 print(f"    not fixed: {finding.outcome}")
             print(f"    what to do: {finding.advice}")
     checked = (
-        f"{diagnosis.streams_checked} streams, {diagnosis.groups_checked} groups"
-        f" checked on {diagnosis.server_version}"
+        f"{plural(diagnosis.streams_checked, 'stream')},"
+        f" {plural(diagnosis.groups_checked, 'group')} checked on"
+        f" {diagnosis.server_version}"
     )
     open_findings = [f for f in diagnosis.findings if not f.fixed]
     fixed = len(diagnosis.findings) - len(open_findings)

@@ -26,6 +26,7 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from taskiq_atomic_claim.inspection import (
     SCAN_COUNT,
     duration,
     inspect_server,
+    plural,
     text,
 )
 from taskiq_atomic_claim.keys import StreamKeys
@@ -196,7 +198,7 @@ async def diagnose(
                 Finding(
                     "no-group",
                     stream.name,
-                    f"{stream.length} entries and no consumer group: nothing"
+                    f"{plural(stream.length, 'entry')} and no consumer group: nothing"
                     " consumes this stream",
                     "start a worker (it creates its group), or ignore if the"
                     " stream is not a task queue",
@@ -231,11 +233,12 @@ def _group_findings(
     stream: str, view: Any, limits: Thresholds, prog: str
 ) -> Iterable[Finding]:
     subject = f"{stream} / {view.name}"
+    scope = f"--url URL --queue={shlex.quote(stream)} --group={shlex.quote(view.name)}"
     if view.pending > limits.max_pending:
         yield Finding(
             "pel-size",
             subject,
-            f"{view.pending} pending entries (threshold {limits.max_pending})",
+            f"{plural(view.pending, 'pending entry')} (threshold {limits.max_pending})",
             "workers fall behind or keep dying: check worker logs and"
             " dead letters, add workers (--max-pending to tune)",
         )
@@ -253,9 +256,9 @@ def _group_findings(
         yield Finding(
             "dead-letters",
             subject,
-            f"{view.dead_letters} dead letters in {view.dead_letters_key}",
-            f"review: `{prog} dead-letters --queue ... --group ...`; then"
-            f" `{prog} requeue ... --all` or delete them",
+            f"{plural(view.dead_letters, 'dead letter')} in {view.dead_letters_key}",
+            f"review: `{prog} dead-letters {scope}`; then"
+            f" `{prog} requeue {scope} --all`, or delete them",
         )
     for consumer in view.consumers:
         if consumer.pending == 0 and consumer.idle_ms > limits.consumer_idle_ms:

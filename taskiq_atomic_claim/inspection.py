@@ -353,6 +353,12 @@ def inspection_to_json(inspection: Inspection) -> dict[str, Any]:
     }
 
 
+def plural(count: int, word: str) -> str:
+    if count == 1:
+        return f"{count} {word}"
+    return f"{count} {word[:-1]}ies" if word.endswith("y") else f"{count} {word}s"
+
+
 def duration(ms: int | None) -> str:
     """Milliseconds for people: 840 ms, 12.3 s, 4.0 min, 2.5 h, 3.1 d."""
     if ms is None:
@@ -407,7 +413,7 @@ def render_inspection(inspection: Inspection) -> str:
     for stream in inspection.streams:
         lines.append("")
         kind = "" if stream.type == "stream" else f" (key is {stream.type})"
-        lines.append(f"stream {stream.name!r}{kind}: {stream.length} entries")
+        lines.append(f"stream {stream.name!r}{kind}: {plural(stream.length, 'entry')}")
         if not stream.groups:
             lines.append("  no consumer groups")
         for group in stream.groups:
@@ -422,7 +428,7 @@ def render_inspection(inspection: Inspection) -> str:
                 )
             lines.append(
                 f"    {_lease_text(group.lease)}; {_cursor_text(group.cursor)};"
-                f" {group.dead_letters} dead letters"
+                f" {plural(group.dead_letters, 'dead letter')}"
             )
             if group.consumers:
                 rows = [["consumer", "pending", "idle", "oldest pending idle"]]

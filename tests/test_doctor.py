@@ -51,7 +51,7 @@ async def test_a_healthy_server_exits_0(server: Server, redis: Redis) -> None:
     await healthy_group(redis)
     result = cli("doctor", "--url", server.url)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("healthy: 1 streams, 1 groups checked")
+    assert result.stdout.startswith("healthy: 1 stream, 1 group checked")
 
 
 async def test_fix_gives_a_legacy_lock_an_expiry_instead_of_deleting_it(
@@ -164,7 +164,8 @@ async def test_what_needs_a_person_stays_non_zero_after_fix(
     out = result.stdout
     assert "[pel-size] jobs / workers: 3 pending entries (threshold 2)" in out
     assert "[stale-pending] jobs / workers" in out
-    assert "[dead-letters] jobs / workers: 1 dead letters" in out
+    assert "[dead-letters] jobs / workers: 1 dead letter in" in out
+    assert "dead-letters --url URL --queue=jobs --group=workers" in out
     assert "[no-group] orphan" in out
     assert out.count("what to do:") == 4
     assert "4 need attention:" in out
