@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.drill import running_workers, drill_queue, run_drill
+from taskiq_atomic_claim.drill import drill_queue, run_drill, running_workers
 from tests.conftest import Server
 
 IDLE_MS, INTERVAL_MS = 2000, 500
