@@ -39,6 +39,19 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _raise_if_cancel_was_swallowed() -> None:
+    """Honour a cancel that a redis-py call swallowed (seen on Python 3.11).
+
+    The call then returns normally and a loop would run on forever, so
+    whoever cancelled it (taskiq's receiver at shutdown, ``wait_for``) hangs.
+    ``Task.cancelling()`` still counts the request.
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
+
+
 class StreamTypeError(RuntimeError):
     """A key the broker must read as a stream holds another type (WRONGTYPE)."""
 
@@ -153,6 +166,7 @@ class ReclaimingListener:
         group_missing = False
         async with self._connection() as client:
             while True:
+                _raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
                     if group_missing:
@@ -310,6 +324,7 @@ class ReclaimingListener:
         outage = _Outage(f"heartbeat {self.consumer_name}")
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            _raise_if_cancel_was_swallowed()
             try:
                 async with self._connection() as client:
                     await self.set_idle(client, 0)
