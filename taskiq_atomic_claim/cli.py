@@ -11,12 +11,13 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim import __version__
@@ -93,6 +94,16 @@ def connect(options: ConnectionOptions) -> Any:
             f"bad --url {url!r}: scheme must be one of"
             f" {', '.join(s + '://' for s in _SCHEMES)}"
         )
+    tls = _tls_arguments(options)
+    try:
+        return Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10, **tls)
+    except ValueError as error:
+        raise CommandError(f"bad --url {url!r}: {error}") from None
+
+
+def _tls_arguments(options: ConnectionOptions) -> dict[str, Any]:
+    url = options.url
+    scheme = urlsplit(url).scheme
     tls: dict[str, Any] = {}
     for flag, value, name in (
         ("--tls-ca-cert", options.tls_ca_cert, "ssl_ca_certs"),
@@ -106,37 +117,136 @@ def connect(options: ConnectionOptions) -> Any:
         if not Path(value).is_file():
             raise CommandError(f"{flag}: no such file: {value!r}")
         tls[name] = value
+    return tls
+
+
+def _node_url(url: str, host: str, port: int) -> str:
+    """``url`` pointed at another node: same scheme, credentials and options."""
+    parts = urlsplit(url)
+    credentials = parts.netloc.rpartition("@")[0]
+    netloc = f"{credentials}@{host}:{port}" if credentials else f"{host}:{port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+async def _library_targets(
+    options: ConnectionOptions, cluster: bool, sentinels: list[str], master: str | None
+) -> list[ConnectionOptions]:
+    """Where the library must be: every primary of a cluster, the master a
+    Sentinel names, or the one server of ``--url``."""
+    if sentinels:
+        if master is None:
+            raise CommandError("--sentinel needs --master NAME")
+        addresses = []
+        for item in sentinels:
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit():
+                raise CommandError(f"--sentinel must be HOST:PORT, got {item!r}")
+            addresses.append((host, int(port)))
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            addresses, socket_connect_timeout=5, socket_timeout=10
+        )
+        host, port = await sentinel.discover_master(master)
+        return [replace(options, url=_node_url(options.url, str(host), int(port)))]
+    if not cluster:
+        return [options]
+    connect(options)  # validates the URL and TLS options first
+    tls = _tls_arguments(options)
+    startup = RedisCluster.from_url(
+        options.url, socket_connect_timeout=5, socket_timeout=10, **tls
+    )
     try:
-        return Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10, **tls)
-    except ValueError as error:
-        raise CommandError(f"bad --url {url!r}: {error}") from None
+        await startup.initialize()
+        primaries = startup.get_primaries()
+    finally:
+        await startup.aclose()
+    return [
+        replace(options, url=_node_url(options.url, node.host, int(node.port)))
+        for node in primaries
+    ]
 
 
-async def _load(options: ConnectionOptions) -> int:
-    url = options.url
-    async with connect(options) as client:
-        mode = await ScriptRunner().load(client)
-    print(
-        f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
-        f" {', '.join(LIBRARY.scripts)}) as {mode.value} on {url}"
-        f" [taskiq-atomic-claim {__version__}]"
+def add_topology_options(command: argparse.ArgumentParser) -> None:
+    topology = command.add_argument_group("Cluster and Sentinel")
+    topology.add_argument(
+        "--cluster",
+        action="store_true",
+        help="--url is a cluster node: act on every primary, one line each",
     )
-    return 0
-
-
-async def _check(options: ConnectionOptions) -> int:
-    async with connect(options) as client:
-        status = await ScriptRunner().status(client)
-    others = (
-        f"; other versions present: {', '.join(status.other_versions)}"
-        if (status.other_versions)
-        else ""
+    topology.add_argument(
+        "--sentinel",
+        action="append",
+        metavar="HOST:PORT",
+        help="ask these sentinels for the master (repeatable); needs --master",
     )
-    print(f"{LIBRARY.name} as {status.mode.value}: {status.state.value}{others}")
-    if status.state is not LibraryState.CURRENT:
+    topology.add_argument("--master", help="the Sentinel master name")
+
+
+async def _targets_of(
+    options: ConnectionOptions, args: argparse.Namespace
+) -> list[ConnectionOptions]:
+    return await _library_targets(
+        options, args.cluster, args.sentinel or [], args.master
+    )
+
+
+async def _load(options: ConnectionOptions, args: argparse.Namespace) -> int:
+    targets = await _targets_of(options, args)
+    failed = 0
+    for target in targets:
+        try:
+            async with connect(target) as client:
+                mode = await ScriptRunner().load(client)
+        except (RedisError, OSError) as error:
+            if len(targets) == 1:
+                raise
+            failed += 1
+            print(f"{_where(target)}: error: {type(error).__name__}: {error}")
+            continue
+        print(
+            f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
+            f" {', '.join(LIBRARY.scripts)}) as {mode.value} on {_where(target)}"
+            f" [taskiq-atomic-claim {__version__}]"
+        )
+    if len(targets) > 1:
+        print(f"{len(targets) - failed}/{len(targets)} primaries loaded")
+    return 1 if failed else 0
+
+
+async def _check(options: ConnectionOptions, args: argparse.Namespace) -> int:
+    targets = await _targets_of(options, args)
+    not_current = 0
+    for target in targets:
+        try:
+            async with connect(target) as client:
+                status = await ScriptRunner().status(client)
+        except (RedisError, OSError) as error:
+            if len(targets) == 1:
+                raise
+            not_current += 1
+            print(f"{_where(target)}: error: {type(error).__name__}: {error}")
+            continue
+        others = (
+            f"; other versions present: {', '.join(status.other_versions)}"
+            if (status.other_versions)
+            else ""
+        )
+        where = f" on {_where(target)}" if len(targets) > 1 else ""
+        print(
+            f"{LIBRARY.name} as {status.mode.value}{where}:"
+            f" {status.state.value}{others}"
+        )
+        not_current += status.state is not LibraryState.CURRENT
+    if len(targets) > 1:
+        print(f"{len(targets) - not_current}/{len(targets)} primaries current")
+    if not_current:
         print(f"run: {PROG} load --url URL", file=sys.stderr)
         return 1
     return 0
+
+
+def _where(target: ConnectionOptions) -> str:
+    parts = urlsplit(target.url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else target.url
 
 
 async def _dead_letters(
@@ -371,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         " repeat; other releases' libraries are left in place.",
     )
     add_connection_options(load)
+    add_topology_options(load)
 
     check = commands.add_parser(
         "check",
@@ -379,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         " 1 when it is missing or only other versions are, 2 on errors.",
     )
     add_connection_options(check)
+    add_topology_options(check)
 
     def stream_options(command: argparse.ArgumentParser) -> None:
         add_connection_options(command)
@@ -536,9 +648,9 @@ def _server_command(args: argparse.Namespace) -> Any:
         )
         return _doctor(options, args.queues, args.group, thresholds, args.fix)
     if args.command == "load":
-        return _load(options)
+        return _load(options, args)
     if args.command == "check":
-        return _check(options)
+        return _check(options, args)
     assert keys is not None
     if args.command == "requeue":
         return _requeue(options, keys, args.ids)

@@ -379,3 +379,33 @@ async def test_redis_62_failover_reloads_cached_scripts_if_missing(
     assert await survivor.wait_for(later, 10)
     assert await drained(setup, queue)
     await survivor.stop()
+
+
+def _cli(*args: str) -> Any:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    return subprocess.run(
+        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_load_and_check_through_sentinel_act_on_the_master(
+    sentinels: LocalSentinels,
+) -> None:
+    where = [f"--sentinel=127.0.0.1:{port}" for _, port in sentinels.addresses]
+    args = [*where, "--master", sentinels.master_name, "--url", "redis://unused:1"]
+    with SyncRedis(port=sentinels.master.port) as master:
+        master.execute_command("FUNCTION", "FLUSH")
+    assert _cli("check", *args).returncode == 1
+    loaded = _cli("load", *args)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
+    assert f":{sentinels.master.port}" in loaded.stdout
+    assert _cli("check", *args).returncode == 0
+    assert (
+        _cli("load", "--sentinel=127.0.0.1:1", "--url", "redis://x:1").returncode == 2
+    )
