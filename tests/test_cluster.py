@@ -30,6 +30,7 @@ from taskiq_atomic_claim.cluster_broker import (
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
+from tests.test_cli import cli
 from tests.topologies import (
     HOST,
     ClusterNode,
@@ -652,36 +653,23 @@ async def test_valkey_cluster_reads_and_reclaims(
     )
 
 
-def _cli(*args: str) -> Any:
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    return subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_load_and_check_reach_every_primary(cluster: LocalCluster) -> None:
     ports = [node.port for node in cluster.primaries]
     for port in ports:
         with SyncRedis(port=port) as node:
             node.execute_command("FUNCTION", "FLUSH")
-    assert _cli("check", "--cluster", "--url", cluster.url).returncode == 1
+    assert cli("check", "--cluster", "--url", cluster.url).returncode == 1
 
-    loaded = _cli("load", "--cluster", "--url", cluster.url)
+    loaded = cli("load", "--cluster", "--url", cluster.url)
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     assert f"{len(ports)}/{len(ports)} primaries loaded" in loaded.stdout
     assert all(f":{port}" in loaded.stdout for port in ports)
 
     with SyncRedis(port=ports[1]) as node:
         node.execute_command("FUNCTION", "FLUSH")
-    one_missing = _cli("check", "--cluster", "--url", cluster.url)
+    one_missing = cli("check", "--cluster", "--url", cluster.url)
     assert one_missing.returncode == 1
     assert f"127.0.0.1:{ports[1]}: missing" in one_missing.stdout
     assert f"{len(ports) - 1}/{len(ports)} primaries current" in one_missing.stdout
-    assert _cli("load", "--cluster", "--url", cluster.url).returncode == 0
-    assert _cli("check", "--cluster", "--url", cluster.url).returncode == 0
+    assert cli("load", "--cluster", "--url", cluster.url).returncode == 0
+    assert cli("check", "--cluster", "--url", cluster.url).returncode == 0

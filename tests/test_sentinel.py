@@ -22,6 +22,7 @@ from taskiq.kicker import AsyncKicker
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
+from tests.test_cli import cli
 from tests.topologies import (
     HOST,
     Consumer,
@@ -381,19 +382,6 @@ async def test_redis_62_failover_reloads_cached_scripts_if_missing(
     await survivor.stop()
 
 
-def _cli(*args: str) -> Any:
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    return subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_load_and_check_through_sentinel_act_on_the_master(
     sentinels: LocalSentinels,
 ) -> None:
@@ -401,11 +389,9 @@ def test_load_and_check_through_sentinel_act_on_the_master(
     args = [*where, "--master", sentinels.master_name, "--url", "redis://unused:1"]
     with SyncRedis(port=sentinels.master.port) as master:
         master.execute_command("FUNCTION", "FLUSH")
-    assert _cli("check", *args).returncode == 1
-    loaded = _cli("load", *args)
+    assert cli("check", *args).returncode == 1
+    loaded = cli("load", *args)
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     assert f":{sentinels.master.port}" in loaded.stdout
-    assert _cli("check", *args).returncode == 0
-    assert (
-        _cli("load", "--sentinel=127.0.0.1:1", "--url", "redis://x:1").returncode == 2
-    )
+    assert cli("check", *args).returncode == 0
+    assert cli("load", "--sentinel=127.0.0.1:1", "--url", "redis://x:1").returncode == 2
