@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -189,45 +189,51 @@ async def _targets_of(
     )
 
 
-async def _load(options: ConnectionOptions, args: argparse.Namespace) -> int:
-    targets = await _targets_of(options, args)
-    failed = 0
+async def _on_each_target(
+    targets: list[ConnectionOptions],
+    action: Callable[[Any, ConnectionOptions], Awaitable[bool]],
+    done: str,
+) -> int:
+    """Run ``action`` per node; one unreachable node does not hide the rest.
+
+    Exit 0 when ``action`` returned True everywhere; a single target's
+    errors are the command's errors (one line, exit 2).
+    """
+    succeeded = 0
     for target in targets:
         try:
             async with connect(target) as client:
-                mode = await ScriptRunner().load(client)
+                succeeded += await action(client, target)
         except (RedisError, OSError) as error:
             if len(targets) == 1:
                 raise
-            failed += 1
             print(f"{_where(target)}: error: {type(error).__name__}: {error}")
-            continue
+    if len(targets) > 1:
+        print(f"{succeeded}/{len(targets)} primaries {done}")
+    return 0 if succeeded == len(targets) else 1
+
+
+async def _load(options: ConnectionOptions, args: argparse.Namespace) -> int:
+    async def load(client: Any, target: ConnectionOptions) -> bool:
+        mode = await ScriptRunner().load(client)
         print(
             f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
             f" {', '.join(LIBRARY.scripts)}) as {mode.value} on {_where(target)}"
             f" [taskiq-atomic-claim {__version__}]"
         )
-    if len(targets) > 1:
-        print(f"{len(targets) - failed}/{len(targets)} primaries loaded")
-    return 1 if failed else 0
+        return True
+
+    return await _on_each_target(await _targets_of(options, args), load, "loaded")
 
 
 async def _check(options: ConnectionOptions, args: argparse.Namespace) -> int:
     targets = await _targets_of(options, args)
-    not_current = 0
-    for target in targets:
-        try:
-            async with connect(target) as client:
-                status = await ScriptRunner().status(client)
-        except (RedisError, OSError) as error:
-            if len(targets) == 1:
-                raise
-            not_current += 1
-            print(f"{_where(target)}: error: {type(error).__name__}: {error}")
-            continue
+
+    async def check(client: Any, target: ConnectionOptions) -> bool:
+        status = await ScriptRunner().status(client)
         others = (
             f"; other versions present: {', '.join(status.other_versions)}"
-            if (status.other_versions)
+            if status.other_versions
             else ""
         )
         where = f" on {_where(target)}" if len(targets) > 1 else ""
@@ -235,13 +241,12 @@ async def _check(options: ConnectionOptions, args: argparse.Namespace) -> int:
             f"{LIBRARY.name} as {status.mode.value}{where}:"
             f" {status.state.value}{others}"
         )
-        not_current += status.state is not LibraryState.CURRENT
-    if len(targets) > 1:
-        print(f"{len(targets) - not_current}/{len(targets)} primaries current")
-    if not_current:
+        return status.state is LibraryState.CURRENT
+
+    code = await _on_each_target(targets, check, "current")
+    if code:
         print(f"run: {PROG} load --url URL", file=sys.stderr)
-        return 1
-    return 0
+    return code
 
 
 def _where(target: ConnectionOptions) -> str:
