@@ -427,28 +427,24 @@ def _rounds(text: str) -> int:
     return value
 
 
-def _milliseconds(text: str) -> int:
+def _whole_number(text: str, minimum: int, unit: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of ms, got {text!r}"
+            f"must be a whole number{unit}, got {text!r}"
         ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def _milliseconds(text: str) -> int:
+    return _whole_number(text, 1, " of ms")
 
 
 def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number, got {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _whole_number(text, 0)
 
 
 def _name(option: str) -> Any:
