@@ -41,6 +41,7 @@ from tests.topologies import (
     binary_for,
     bounded,
     message,
+    need,
     unexpiring_keys,
     wait_replicated,
 )
@@ -56,29 +57,23 @@ REDIS_62 = binary_for(6)
 VALKEY_8 = binary_for(8, "valkey")
 
 
-def _need(binary: Any, what: str) -> Any:
-    if binary is None:
-        pytest.skip(f"no {what} server binary found (see embedded_server.py)")
-    return binary
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """Shared by the tests that leave every node running."""
-    with LocalCluster(_need(REDIS_7, "Redis 7")) as started:
+    with LocalCluster(need(REDIS_7, "Redis 7")) as started:
         yield started
 
 
 @pytest.fixture
 def own_cluster() -> Iterator[LocalCluster]:
     """For a test that kills a node."""
-    with LocalCluster(_need(REDIS_7, "Redis 7")) as started:
+    with LocalCluster(need(REDIS_7, "Redis 7")) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def events_server() -> Iterator[LocalServer]:
-    with LocalServer(_need(REDIS_7, "Redis 7")) as server:
+    with LocalServer(need(REDIS_7, "Redis 7")) as server:
         yield server
 
 
@@ -557,20 +552,20 @@ def lasting_outage_cluster() -> Iterator[LocalCluster]:
     stays down with its slots still assigned to it, as in the seconds
     (15 by default) before a production cluster fails one over."""
     with LocalCluster(
-        _need(REDIS_7, "Redis 7"), replicas=0, node_timeout=120_000
+        need(REDIS_7, "Redis 7"), replicas=0, node_timeout=120_000
     ) as started:
         yield started
 
 
 @pytest.fixture
 def cluster_62() -> Iterator[LocalCluster]:
-    with LocalCluster(_need(REDIS_62, "Redis 6.2"), replicas=0) as started:
+    with LocalCluster(need(REDIS_62, "Redis 6.2"), replicas=0) as started:
         yield started
 
 
 @pytest.fixture
 def valkey_cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(_need(VALKEY_8, "Valkey 8")) as started:
+    with LocalCluster(need(VALKEY_8, "Valkey 8")) as started:
         yield started
 
 

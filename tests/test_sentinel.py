@@ -32,6 +32,7 @@ from tests.topologies import (
     binary_for,
     bounded,
     message,
+    need,
     unexpiring_keys,
     wait_replicated,
 )
@@ -44,28 +45,22 @@ REDIS_7 = binary_for(7)
 REDIS_62 = binary_for(6)
 
 
-def _need(binary: Any, what: str) -> Any:
-    if binary is None:
-        pytest.skip(f"no {what} server binary found (see embedded_server.py)")
-    return binary
-
-
 @pytest.fixture(scope="module")
 def sentinels() -> Iterator[LocalSentinels]:
     """Shared by the tests that do not fail over."""
-    with LocalSentinels(_need(REDIS_7, "Redis 7")) as started:
+    with LocalSentinels(need(REDIS_7, "Redis 7")) as started:
         yield started
 
 
 @pytest.fixture
 def own_sentinels() -> Iterator[LocalSentinels]:
-    with LocalSentinels(_need(REDIS_7, "Redis 7")) as started:
+    with LocalSentinels(need(REDIS_7, "Redis 7")) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def events_server() -> Iterator[LocalServer]:
-    with LocalServer(_need(REDIS_7, "Redis 7")) as server:
+    with LocalServer(need(REDIS_7, "Redis 7")) as server:
         yield server
 
 
@@ -346,7 +341,7 @@ async def test_crash_drill_across_a_forced_failover(
 
 @pytest.fixture
 def sentinels_62() -> Iterator[LocalSentinels]:
-    with LocalSentinels(_need(REDIS_62, "Redis 6.2")) as started:
+    with LocalSentinels(need(REDIS_62, "Redis 6.2")) as started:
         yield started
 
 

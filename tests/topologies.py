@@ -62,6 +62,13 @@ def binary_for(major: int, flavor: str = "redis") -> ServerBinary | None:
     return None
 
 
+def need(binary: ServerBinary | None, what: str) -> ServerBinary:
+    """The binary, or skip the test saying which server is missing."""
+    if binary is None:
+        pytest.skip(f"no {what} server binary found (see embedded_server.py)")
+    return binary
+
+
 def wait_until(
     what: str, check: Callable[[], bool], timeout: float, step: float = 0.05
 ) -> float:
