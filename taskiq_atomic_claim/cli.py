@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import RedisError
+from redis.exceptions import MovedError, RedisError
 
 from taskiq_atomic_claim import __version__
 from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
@@ -34,6 +34,7 @@ from taskiq_atomic_claim.doctor import (
     worker_acl_rule,
 )
 from taskiq_atomic_claim.inspection import (
+    FORMAT,
     inspect_server,
     inspection_to_json,
     plural,
@@ -63,22 +64,61 @@ class ConnectionOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConnectionOptions:
+        url = args.url
+        if url is None:
+            if not getattr(args, "sentinel", None):
+                raise CommandError(
+                    "--url is required (for Sentinel: --sentinel HOST:PORT"
+                    " --master NAME)"
+                )
+            url = "redis://"  # the sentinels name the master's host and port
         return cls(
-            url=args.url,
+            url=url,
             tls_ca_cert=getattr(args, "tls_ca_cert", None),
             tls_cert=getattr(args, "tls_cert", None),
             tls_key=getattr(args, "tls_key", None),
         )
 
 
-def add_connection_options(command: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class Target:
+    """One server a command acts on."""
+
+    options: ConnectionOptions
+    # How reports name it ("primary 10.0.0.1:6379"); None: the --url server.
+    label: str | None = None
+    # The named streams it holds; None: none were named, discover them.
+    streams: list[str] | None = None
+
+    @property
+    def where(self) -> str:
+        parts = urlsplit(self.options.url)
+        return f"{parts.hostname}:{parts.port}" if parts.port else self.options.url
+
+
+def add_server_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
-        "--url", required=True, help="redis://, rediss:// (TLS) or unix:// URL"
+        "--url",
+        help="redis://, rediss:// (TLS) or unix:// URL; with --cluster any node;"
+        " with --sentinel optional, its scheme and credentials reach the master",
     )
     tls = command.add_argument_group("TLS (rediss:// URLs)")
     tls.add_argument("--tls-ca-cert", help="CA certificate file to verify the server")
     tls.add_argument("--tls-cert", help="client certificate file (mutual TLS)")
     tls.add_argument("--tls-key", help="client private key file (mutual TLS)")
+    topology = command.add_argument_group("Cluster and Sentinel")
+    topology.add_argument(
+        "--cluster",
+        action="store_true",
+        help="--url is a cluster node: act on every primary, one report each",
+    )
+    topology.add_argument(
+        "--sentinel",
+        action="append",
+        metavar="HOST:PORT",
+        help="ask these sentinels for the master (repeatable); needs --master",
+    )
+    topology.add_argument("--master", help="the Sentinel master name")
 
 
 def connect(options: ConnectionOptions) -> Any:
@@ -128,27 +168,54 @@ def _node_url(url: str, host: str, port: int) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-async def _library_targets(
-    options: ConnectionOptions, cluster: bool, sentinels: list[str], master: str | None
-) -> list[ConnectionOptions]:
-    """Where the library must be: every primary of a cluster, the master a
-    Sentinel names, or the one server of ``--url``."""
-    if sentinels:
-        if master is None:
+async def _targets(
+    args: argparse.Namespace, streams: list[str] | None = None
+) -> list[Target]:
+    """The servers a command acts on: the one of ``--url``, the master the
+    sentinels name, or every primary of a cluster, each with those of the
+    named ``streams`` it holds."""
+    options = ConnectionOptions.from_args(args)
+    if args.cluster and args.sentinel:
+        raise CommandError("--cluster and --sentinel exclude each other")
+    if args.sentinel:
+        if args.master is None:
             raise CommandError("--sentinel needs --master NAME")
-        addresses = []
-        for item in sentinels:
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit():
-                raise CommandError(f"--sentinel must be HOST:PORT, got {item!r}")
-            addresses.append((host, int(port)))
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            addresses, socket_connect_timeout=5, socket_timeout=10
-        )
+        host, port = await _discover_master(args.sentinel, args.master)
+        return [
+            Target(
+                replace(options, url=_node_url(options.url, host, port)),
+                f"master {args.master!r} at {host}:{port}",
+                streams,
+            )
+        ]
+    if args.master is not None:
+        raise CommandError("--master needs --sentinel HOST:PORT")
+    if not args.cluster:
+        return [Target(options, None, streams)]
+    return await _cluster_primaries(options, streams)
+
+
+async def _discover_master(sentinels: list[str], master: str) -> tuple[str, int]:
+    addresses = []
+    for item in sentinels:
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise CommandError(f"--sentinel must be HOST:PORT, got {item!r}")
+        addresses.append((host, int(port)))
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        addresses, socket_connect_timeout=5, socket_timeout=10
+    )
+    try:
         host, port = await sentinel.discover_master(master)
-        return [replace(options, url=_node_url(options.url, str(host), int(port)))]
-    if not cluster:
-        return [options]
+    finally:
+        for client in sentinel.sentinels:
+            await client.aclose()
+    return str(host), int(port)
+
+
+async def _cluster_primaries(
+    options: ConnectionOptions, streams: list[str] | None
+) -> list[Target]:
     connect(options)  # validates the URL and TLS options first
     tls = _tls_arguments(options)
     startup = RedisCluster.from_url(
@@ -157,86 +224,81 @@ async def _library_targets(
     try:
         await startup.initialize()
         primaries = startup.get_primaries()
+        # A named stream lives on the primary serving its slot, nowhere else.
+        owners = [startup.get_node_from_key(stream) for stream in streams or ()]
     finally:
         await startup.aclose()
-    return [
-        replace(options, url=_node_url(options.url, node.host, int(node.port)))
-        for node in primaries
-    ]
-
-
-def add_topology_options(command: argparse.ArgumentParser) -> None:
-    topology = command.add_argument_group("Cluster and Sentinel")
-    topology.add_argument(
-        "--cluster",
-        action="store_true",
-        help="--url is a cluster node: act on every primary, one line each",
-    )
-    topology.add_argument(
-        "--sentinel",
-        action="append",
-        metavar="HOST:PORT",
-        help="ask these sentinels for the master (repeatable); needs --master",
-    )
-    topology.add_argument("--master", help="the Sentinel master name")
-
-
-async def _targets_of(
-    options: ConnectionOptions, args: argparse.Namespace
-) -> list[ConnectionOptions]:
-    return await _library_targets(
-        options, args.cluster, args.sentinel or [], args.master
-    )
+    targets = []
+    for node in primaries:
+        held = None
+        if streams is not None:
+            pairs = zip(streams, owners, strict=True)
+            held = [stream for stream, owner in pairs if owner is node]
+        url = _node_url(options.url, node.host, int(node.port))
+        label = f"primary {node.host}:{node.port}"
+        targets.append(Target(replace(options, url=url), label, held))
+    return targets
 
 
 async def _on_each_target(
-    targets: list[ConnectionOptions],
-    action: Callable[[Any, ConnectionOptions], Awaitable[bool]],
-    done: str,
+    targets: list[Target],
+    action: Callable[[Any, Target], Awaitable[bool]],
+    done: str | None,
+    on_error: Callable[[Target, str], None] | None = None,
 ) -> int:
     """Run ``action`` per node; one unreachable node does not hide the rest.
 
     Exit 0 when ``action`` returned True everywhere; a single target's
-    errors are the command's errors (one line, exit 2).
+    errors are the command's errors (one line, exit 2). ``done`` names what
+    the summary line counts; None prints none (JSON output).
     """
     succeeded = 0
     for target in targets:
         try:
-            async with connect(target) as client:
+            async with connect(target.options) as client:
                 succeeded += await action(client, target)
         except (RedisError, OSError) as error:
             if len(targets) == 1:
                 raise
-            print(f"{_where(target)}: error: {type(error).__name__}: {error}")
-    if len(targets) > 1:
+            message = f"{type(error).__name__}: {error}"
+            if on_error is None:
+                print(f"{target.where}: error: {message}")
+            else:
+                on_error(target, message)
+    if len(targets) > 1 and done is not None:
         print(f"{succeeded}/{len(targets)} primaries {done}")
     return 0 if succeeded == len(targets) else 1
 
 
-async def _load(options: ConnectionOptions, args: argparse.Namespace) -> int:
-    async def load(client: Any, target: ConnectionOptions) -> bool:
+def _heading(target: Target) -> None:
+    if target.label is not None:
+        print(f"== {target.label} ==")
+
+
+async def _load(args: argparse.Namespace) -> int:
+    async def load(client: Any, target: Target) -> bool:
         mode = await ScriptRunner().load(client)
         print(
             f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
-            f" {', '.join(LIBRARY.scripts)}) as {mode.value} on {_where(target)}"
+            f" {', '.join(LIBRARY.scripts)}) as {mode.value} on {target.where}"
             f" [taskiq-atomic-claim {__version__}]"
         )
         return True
 
-    return await _on_each_target(await _targets_of(options, args), load, "loaded")
+    return await _on_each_target(await _targets(args), load, "loaded")
 
 
-async def _check(options: ConnectionOptions, args: argparse.Namespace) -> int:
-    targets = await _targets_of(options, args)
+async def _check(args: argparse.Namespace) -> int:
+    targets = await _targets(args)
 
-    async def check(client: Any, target: ConnectionOptions) -> bool:
+    async def check(client: Any, target: Target) -> bool:
         status = await ScriptRunner().status(client)
         others = (
             f"; other versions present: {', '.join(status.other_versions)}"
             if status.other_versions
             else ""
         )
-        where = f" on {_where(target)}" if len(targets) > 1 else ""
+        where = f" on {target.where}" if len(targets) > 1 else ""
         print(
             f"{LIBRARY.name} as {status.mode.value}{where}:"
             f" {status.state.value}{others}"
@@ -249,19 +311,19 @@ async def _check(options: ConnectionOptions, args: argparse.Namespace) -> int:
     return code
 
 
-def _where(target: ConnectionOptions) -> str:
-    parts = urlsplit(target.url)
-    return f"{parts.hostname}:{parts.port}" if parts.port else target.url
+async def _server_of(args: argparse.Namespace, keys: StreamKeys) -> Target:
+    """The one server holding ``keys.stream`` (on a cluster, its primary)."""
+    (target,) = [t for t in await _targets(args, [keys.stream]) if t.streams]
+    return target
 
 
-async def _dead_letters(
-    options: ConnectionOptions, keys: StreamKeys, count: int
-) -> int:
-    async with connect(options) as client:
+async def _dead_letters(args: argparse.Namespace) -> int:
+    keys = StreamKeys(args.queue, args.group)
+    async with connect((await _server_of(args, keys)).options) as client:
         total = await client.exists(keys.dead_letters) and await client.xlen(
             keys.dead_letters
         )
-        letters = await list_dead_letters(client, keys, count)
+        letters = await list_dead_letters(client, keys, args.count)
     print(f"{total} dead letters in {keys.dead_letters}")
     for letter in letters:
         data = letter.fields.get(b"data", b"")
@@ -274,10 +336,10 @@ async def _dead_letters(
     return 0
 
 
-async def _requeue(
-    options: ConnectionOptions, keys: StreamKeys, ids: list[str] | None
-) -> int:
-    async with connect(options) as client:
+async def _requeue(args: argparse.Namespace) -> int:
+    keys = StreamKeys(args.queue, args.group)
+    ids: list[str] | None = args.ids
+    async with connect((await _server_of(args, keys)).options) as client:
         moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
     for old, new in moved:
         print(f"requeued {old} -> {keys.stream} {new}")
@@ -291,19 +353,29 @@ async def _requeue(
     return 0
 
 
-async def _inspect(
-    options: ConnectionOptions,
-    streams: list[str] | None,
-    group: str | None,
-    as_json: bool,
-) -> int:
-    async with connect(options) as client:
-        inspection = await inspect_server(client, streams, group)
-    if as_json:
-        print(json.dumps(inspection_to_json(inspection), indent=2, sort_keys=False))
-    else:
-        print(render_inspection(inspection))
-    return 0
+async def _inspect(args: argparse.Namespace) -> int:
+    targets = await _targets(args, args.queues)
+    reports: list[dict[str, Any]] = []
+
+    async def inspect(client: Any, target: Target) -> bool:
+        inspection = await inspect_server(client, target.streams, args.group)
+        if args.json:
+            reports.append(inspection_to_json(inspection, node=target.where))
+        else:
+            _heading(target)
+            print(render_inspection(inspection) + ("\n" if len(targets) > 1 else ""))
+        return True
+
+    def failed(target: Target, message: str) -> None:
+        reports.append({"node": target.where, "error": message})
+
+    if not args.json:
+        return await _on_each_target(targets, inspect, "inspected")
+    code = await _on_each_target(targets, inspect, None, failed)
+    # The shape follows the options, not the count of nodes: see inspection.py.
+    payload = {"format": FORMAT, "nodes": reports} if args.cluster else reports[0]
+    print(json.dumps(payload, indent=2))
+    return code
 
 
 def _report(diagnosis: Diagnosis, fixing: bool) -> None:
@@ -335,19 +407,26 @@ def _report(diagnosis: Diagnosis, fixing: bool) -> None:
         )
 
 
-async def _doctor(
-    options: ConnectionOptions,
-    streams: list[str] | None,
-    group: str | None,
-    thresholds: Thresholds,
-    fix: bool,
-) -> int:
-    async with connect(options) as client:
-        diagnosis = await diagnose(client, streams, group, thresholds, PROG)
-        if fix:
+async def _doctor(args: argparse.Namespace) -> int:
+    thresholds = Thresholds(
+        consumer_idle_ms=args.consumer_idle_ms,
+        max_pending=args.max_pending,
+        stale_pending_ms=args.stale_pending_ms,
+        lock_expiry_ms=args.lock_expiry_ms,
+    )
+    targets = await _targets(args, args.queues)
+
+    async def doctor(client: Any, target: Target) -> bool:
+        diagnosis = await diagnose(client, target.streams, args.group, thresholds, PROG)
+        if args.fix:
             await apply_fixes(client, diagnosis, thresholds)
-    _report(diagnosis, fix)
-    return 0 if diagnosis.healthy else 1
+        _heading(target)
+        _report(diagnosis, args.fix)
+        if len(targets) > 1:
+            print()
+        return diagnosis.healthy
+
+    return await _on_each_target(targets, doctor, "healthy")
 
 
 def _cli_argument(value: str) -> str:
@@ -481,8 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load this release's claim library on the server. Safe to"
         " repeat; other releases' libraries are left in place.",
     )
-    add_connection_options(load)
-    add_topology_options(load)
+    add_server_options(load)
 
     check = commands.add_parser(
         "check",
@@ -490,11 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exit 0 when this release's library is on the server,"
         " 1 when it is missing or only other versions are, 2 on errors.",
     )
-    add_connection_options(check)
-    add_topology_options(check)
+    add_server_options(check)
 
     def stream_options(command: argparse.ArgumentParser) -> None:
-        add_connection_options(command)
+        add_server_options(command)
         command.add_argument(
             "--queue",
             type=_name("--queue"),
@@ -506,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     def scope_options(command: argparse.ArgumentParser) -> None:
-        add_connection_options(command)
+        add_server_options(command)
         command.add_argument(
             "--queue",
             type=_name("--queue"),
@@ -634,28 +711,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _server_command(args: argparse.Namespace) -> Any:
-    """The coroutine of a command that talks to one server."""
-    options = ConnectionOptions.from_args(args)
-    keys = StreamKeys(args.queue, args.group) if hasattr(args, "queue") else None
-    if args.command == "inspect":
-        return _inspect(options, args.queues, args.group, args.json)
-    if args.command == "doctor":
-        thresholds = Thresholds(
-            consumer_idle_ms=args.consumer_idle_ms,
-            max_pending=args.max_pending,
-            stale_pending_ms=args.stale_pending_ms,
-            lock_expiry_ms=args.lock_expiry_ms,
-        )
-        return _doctor(options, args.queues, args.group, thresholds, args.fix)
-    if args.command == "load":
-        return _load(options, args)
-    if args.command == "check":
-        return _check(options, args)
-    assert keys is not None
-    if args.command == "requeue":
-        return _requeue(options, keys, args.ids)
-    return _dead_letters(options, keys, args.count)
+ServerCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+_SERVER_COMMANDS: dict[str, ServerCommand] = {
+    "load": _load,
+    "check": _check,
+    "inspect": _inspect,
+    "doctor": _doctor,
+    "dead-letters": _dead_letters,
+    "requeue": _requeue,
+}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -673,8 +737,7 @@ def _run(args: argparse.Namespace) -> int:
                 not args.no_reload,
             )
         )
-    result: int = asyncio.run(_server_command(args))
-    return result
+    return asyncio.run(_SERVER_COMMANDS[args.command](args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -683,6 +746,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except CommandError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
+    except MovedError as error:
+        print(
+            f"{PROG}: error: --url is a cluster node; slot {error.slot_id} is"
+            f" served by {error.host}:{error.port}: add --cluster",
+            file=sys.stderr,
+        )
     except (RedisError, OSError) as error:
         print(f"{PROG}: error: {type(error).__name__}: {error}", file=sys.stderr)
     except KeyboardInterrupt:

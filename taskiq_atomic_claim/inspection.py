@@ -14,6 +14,7 @@ format 1; existing keys keep their names, types and meaning::
 
     {
       "format": 1,
+      "node": "127.0.0.1:6379",  # where it was read (host:port, or the URL)
       "server": {"version": "7.0.15"},
       "library": {
         "name": "taskiq_atomic_claim_<version>",  # what this release loads
@@ -51,6 +52,12 @@ format 1; existing keys keep their names, types and meaning::
         }]
       }]
     }
+
+With ``--cluster`` the CLI prints one such object per primary, in a list,
+and an ``error`` in place of a primary it could not read::
+
+    {"format": 1, "nodes": [{"format": 1, "node": "10.0.0.1:6379", ...},
+                            {"node": "10.0.0.2:6379", "error": "ConnectionError: ..."}]}
 
 Names are decoded as UTF-8; bytes that are not UTF-8 appear as ``\\xNN``.
 """
@@ -296,10 +303,15 @@ def _key_json(view: KeyView, value_name: str) -> dict[str, Any]:
     return {"key": view.key, value_name: view.value, "ttl_ms": view.ttl_ms}
 
 
-def inspection_to_json(inspection: Inspection) -> dict[str, Any]:
-    """The documented JSON shape (module docstring), as plain data."""
+def inspection_to_json(
+    inspection: Inspection, node: str | None = None
+) -> dict[str, Any]:
+    """The documented JSON shape (module docstring), as plain data; ``node``
+    is where it was read (``host:port``), when known."""
+    where = {} if node is None else {"node": node}
     return {
         "format": FORMAT,
+        **where,
         "server": {"version": inspection.server_version},
         "library": {
             "name": inspection.library.name,

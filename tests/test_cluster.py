@@ -9,6 +9,7 @@ printed (``pytest -s`` shows them).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -599,6 +600,15 @@ async def test_a_primary_down_without_failover_stops_only_its_own_streams(
     assert not consumer.task.done()
     await consumer.stop()
 
+    # inspect names the dead primary and still reports the others.
+    run = cli("inspect", "--cluster", "--json", "--url", cluster.url)
+    assert run.returncode == 1, run.stdout + run.stderr
+    nodes = {node["node"]: node for node in json.loads(run.stdout)["nodes"]}
+    dead = f"{HOST}:{victim.port}"
+    assert "Error" in nodes.pop(dead)["error"]
+    assert len(nodes) == len(cluster.primaries) - 1
+    assert all("streams" in node for node in nodes.values())
+
 
 # Other servers.
 
@@ -668,3 +678,149 @@ def test_load_and_check_reach_every_primary(cluster: LocalCluster) -> None:
     assert f"{len(ports) - 1}/{len(ports)} primaries current" in one_missing.stdout
     assert cli("load", "--cluster", "--url", cluster.url).returncode == 0
     assert cli("check", "--cluster", "--url", cluster.url).returncode == 0
+
+
+def _sections(stdout: str) -> dict[int, str]:
+    """The per-primary sections of a ``--cluster`` report, by port."""
+    sections: dict[int, str] = {}
+    port = None
+    for line in stdout.splitlines():
+        if line.startswith("== primary "):
+            port = int(line.split()[2].rsplit(":", 1)[1])
+            sections[port] = ""
+        elif port is not None:
+            sections[port] += line + "\n"
+    return sections
+
+
+def _grouped_streams(cluster: LocalCluster, prefix: str, group: str) -> list[str]:
+    """One stream per primary, each with one entry pending for ``w1``."""
+    streams = spread_streams(cluster, f"{prefix}-{uuid.uuid4().hex[:6]}")
+    for stream in streams:
+        with node_client(cluster.node_for(stream)) as client:
+            client.xgroup_create(stream, group, id="0", mkstream=True)
+            client.xadd(stream, {"data": "x"})
+            client.xreadgroup(group, "w1", {stream: ">"})
+    return streams
+
+
+def test_inspect_reports_each_primary_and_its_own_streams(
+    cluster: LocalCluster,
+) -> None:
+    streams = _grouped_streams(cluster, "seen", "ops")
+    ports = sorted(node.port for node in cluster.primaries)
+
+    table = cli("inspect", "--cluster", "--url", cluster.url)
+    assert table.returncode == 0, table.stdout + table.stderr
+    sections = _sections(table.stdout)
+    assert sorted(sections) == ports
+    for stream in streams:
+        owner = cluster.node_for(stream).port
+        assert [port for port in ports if f"stream {stream!r}" in sections[port]] == [
+            owner
+        ]
+    assert f"{len(ports)}/{len(ports)} primaries inspected" in table.stdout
+
+    named = cli(
+        "inspect",
+        "--cluster",
+        "--url",
+        cluster.url,
+        "--json",
+        "--group",
+        "ops",
+        *[f"--queue={stream}" for stream in streams],
+    )
+    assert named.returncode == 0, named.stderr
+    report = json.loads(named.stdout)
+    assert list(report) == ["format", "nodes"]
+    assert report["format"] == 1
+    assert sorted(node["node"] for node in report["nodes"]) == [
+        f"{HOST}:{port}" for port in ports
+    ]
+    for node in report["nodes"]:
+        port = int(node["node"].rsplit(":", 1)[1])
+        assert node["library"]["name"] == LIBRARY.name
+        held = [view["stream"] for view in node["streams"]]
+        # A named stream is read on the primary that serves its slot only.
+        assert held == [s for s in streams if cluster.node_for(s).port == port]
+        for view in node["streams"]:
+            (group,) = view["groups"]
+            assert group["pending"] == 1
+            assert [c["name"] for c in group["consumers"]] == ["w1"]
+
+
+def test_doctor_finds_and_fixes_on_each_primary(cluster: LocalCluster) -> None:
+    streams = _grouped_streams(cluster, "doc", "ops")
+    lock = f"autoclaim:{streams[1]}:ops"
+    lock_node = cluster.node_for(lock)
+    flushed = next(node for node in cluster.primaries if node is not lock_node)
+    scope = [
+        "--cluster",
+        "--url",
+        cluster.url,
+        "--group",
+        "ops",
+        "--lock-expiry-ms",
+        "2000",
+        *[f"--queue={stream}" for stream in streams],
+    ]
+    try:
+        with node_client(lock_node) as client:
+            client.set(lock, "killed-1.1.2-worker")
+        with node_client(flushed) as client:
+            client.execute_command("FUNCTION FLUSH")
+
+        found = cli("doctor", *scope)
+        assert found.returncode == 1, found.stdout + found.stderr
+        sections = _sections(found.stdout)
+        assert f"[legacy-lock] {lock}:" in sections[lock_node.port]
+        assert "[library]" in sections[flushed.port]
+        assert "[library]" not in sections[lock_node.port]
+        assert f"/{len(cluster.primaries)} primaries healthy" in found.stdout
+
+        fixed = cli("doctor", "--fix", *scope)
+        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+        total = len(cluster.primaries)
+        assert f"{total}/{total} primaries healthy" in fixed.stdout
+        with node_client(lock_node) as client:
+            assert 0 < int(client.pttl(lock)) <= 2000
+        assert LIBRARY.name in libraries_on(flushed)
+        assert cli("doctor", *scope).returncode == 0
+    finally:
+        with node_client(lock_node) as client:
+            client.delete(lock)
+
+
+def test_dead_letters_and_requeue_go_to_the_streams_primary(
+    cluster: LocalCluster,
+) -> None:
+    # Not on the startup node, which --url names.
+    stream = spread_streams(cluster, f"dl-{uuid.uuid4().hex[:6]}")[1]
+    keys = StreamKeys(stream, "ops")
+    owner = cluster.node_for(stream)
+    with node_client(owner) as client:
+        client.xadd(
+            keys.dead_letters,
+            {
+                "data": "t",
+                "dead_letter_id": "1-1",
+                "dead_letter_deliveries": "6",
+                "dead_letter_reason": "max_deliveries exceeded",
+            },
+        )
+    scope = ["--url", cluster.url, f"--queue={stream}", "--group", "ops"]
+    elsewhere = cli("dead-letters", *scope)
+    assert elsewhere.returncode == 2
+    assert "Traceback" not in elsewhere.stderr
+    assert "--cluster" in elsewhere.stderr
+
+    listed = cli("dead-letters", "--cluster", *scope)
+    assert listed.returncode == 0, listed.stderr
+    assert f"1 dead letters in {keys.dead_letters}" in listed.stdout
+    requeued = cli("requeue", "--cluster", *scope, "--all")
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"1 requeued to {stream}" in requeued.stdout
+    with node_client(owner) as client:
+        assert client.xlen(stream) == 1
+        assert client.xlen(keys.dead_letters) == 0

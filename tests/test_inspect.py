@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from redis.asyncio import Redis
@@ -25,7 +26,7 @@ from tests.conftest import Server
 
 KEYS = StreamKeys("jobs", "workers")
 # The documented shape, key order included: scripts may rely on it.
-TOP = ["format", "server", "library", "discovery", "streams"]
+TOP = ["format", "node", "server", "library", "discovery", "streams"]
 LIBRARY_KEYS = ["name", "version", "mode", "state", "other_versions"]
 STREAM_KEYS = ["stream", "type", "length", "groups"]
 GROUP_KEYS = [
@@ -115,6 +116,8 @@ async def test_json_is_the_documented_shape(server: Server, redis: Redis) -> Non
     document = json.loads(result.stdout)
     assert keys_of(document) == TOP
     assert document["format"] == 1
+    parts = urlsplit(server.url)
+    assert document["node"] == f"{parts.hostname}:{parts.port}"
     assert keys_of(document["library"]) == LIBRARY_KEYS
     assert keys_of(document["discovery"]) == ["discovered", "truncated"]
     assert document["discovery"] == {"discovered": False, "truncated": False}

@@ -9,6 +9,7 @@ for twice the failover timeout. Measured times are printed (``pytest -s``).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -390,3 +391,54 @@ def test_load_and_check_through_sentinel_act_on_the_master(
     assert f":{sentinels.master.port}" in loaded.stdout
     assert cli("check", *args).returncode == 0
     assert cli("load", "--sentinel=127.0.0.1:1", "--url", "redis://x:1").returncode == 2
+
+
+def test_inspect_and_doctor_through_sentinel_act_on_the_master(
+    sentinels: LocalSentinels,
+) -> None:
+    stream = f"seen-{uuid.uuid4().hex[:6]}"
+    port = sentinels.master_port()
+    with SyncRedis(port=port) as master:
+        master.xgroup_create(stream, "ops", id="0", mkstream=True)
+        master.xadd(stream, {"data": "x"})
+        master.xreadgroup("ops", "w1", {stream: ">"})
+        master.execute_command("FUNCTION", "FLUSH")
+    # No --url: the sentinels say where the master is.
+    args = [
+        *[f"--sentinel=127.0.0.1:{p}" for _, p in sentinels.addresses],
+        "--master",
+        sentinels.master_name,
+        f"--queue={stream}",
+        "--group",
+        "ops",
+    ]
+    table = cli("inspect", *args)
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert f"master {sentinels.master_name!r} at 127.0.0.1:{port}" in table.stdout
+    assert f"stream {stream!r}" in table.stdout
+
+    report = json.loads(cli("inspect", "--json", *args).stdout)
+    assert report["node"] == f"127.0.0.1:{port}"
+    assert [view["stream"] for view in report["streams"]] == [stream]
+    assert report["streams"][0]["groups"][0]["pending"] == 1
+
+    found = cli("doctor", *args)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "[library]" in found.stdout
+    fixed = cli("doctor", "--fix", *args)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    with SyncRedis(port=port) as master:
+        listing = master.execute_command("FUNCTION", "LIST")
+    assert LIBRARY.name in [_library_name(entry) for entry in listing]
+
+
+def test_sentinel_options_must_come_whole() -> None:
+    missing_master = cli("inspect", "--sentinel=127.0.0.1:1")
+    assert missing_master.returncode == 2
+    assert "--master" in missing_master.stderr
+    neither = cli("doctor")
+    assert neither.returncode == 2
+    assert "--url" in neither.stderr and "--sentinel" in neither.stderr
+    both = cli("inspect", "--cluster", "--sentinel=127.0.0.1:1", "--master", "m")
+    assert both.returncode == 2
+    assert "--cluster" in both.stderr
