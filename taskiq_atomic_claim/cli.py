@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import MovedError, RedisError
+from redis.exceptions import MovedError, RedisClusterException, RedisError
 
 from taskiq_atomic_claim import __version__
 from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
@@ -226,6 +226,8 @@ async def _cluster_primaries(
         primaries = startup.get_primaries()
         # A named stream lives on the primary serving its slot, nowhere else.
         owners = [startup.get_node_from_key(stream) for stream in streams or ()]
+    except RedisClusterException as error:  # not a RedisError
+        raise CommandError(f"--cluster: {error}") from None
     finally:
         await startup.aclose()
     targets = []

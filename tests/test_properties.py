@@ -26,6 +26,7 @@ from taskiq.message import BrokerMessage
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.cli import main
 from taskiq_atomic_claim.doctor import worker_acl_rule
+from taskiq_atomic_claim.embedded_server import free_port
 from taskiq_atomic_claim.inspection import inspect_server
 from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server, with_user
@@ -240,3 +241,46 @@ def test_doctor_thresholds_are_numbers_or_a_one_line_error(
         assert option in err
     else:
         assert code in (0, 1), err
+
+
+# Topology options: only loopback is ever dialled (a port nothing listens
+# on, or one no socket can have), so every run ends in a one-line error.
+CLOSED_PORT = free_port()
+ports = st.one_of(
+    st.sampled_from([CLOSED_PORT, 0, -1, 65536, 10**9]).map(str),
+    cli_names.filter(lambda text: not text.isdigit()),
+)
+sentinel_addresses = st.one_of(
+    cli_names.filter(lambda text: ":" not in text),
+    ports.map(lambda port: f"127.0.0.1:{port}"),
+)
+
+
+@FAST
+@given(
+    command=st.sampled_from(["load", "check", "inspect", "doctor", "dead-letters"]),
+    sentinel=sentinel_addresses,
+    master=st.one_of(st.none(), cli_names),
+    cluster=st.booleans(),
+)
+def test_sentinel_options_work_or_fail_in_one_line(
+    command: str, sentinel: str, master: str | None, cluster: bool
+) -> None:
+    args = [command, f"--sentinel={sentinel}"]
+    args += [] if master is None else [f"--master={master}"]
+    args += ["--cluster"] if cluster else []
+    code, out, err = run_cli(*args)
+    assert one_line_usage_error(code, err), (code, out, err)
+
+
+@FAST
+@given(
+    command=st.sampled_from(["load", "check", "inspect", "doctor", "requeue"]),
+    port=ports,
+)
+def test_cluster_urls_work_or_fail_in_one_line(command: str, port: str) -> None:
+    extra = ["--all"] if command == "requeue" else []
+    code, out, err = run_cli(
+        command, "--cluster", f"--url=redis://127.0.0.1:{port}", *extra
+    )
+    assert one_line_usage_error(code, err), (code, out, err)
