@@ -272,6 +272,13 @@ async def _on_each_target(
     return 0 if succeeded == len(targets) else 1
 
 
+def _reach(args: argparse.Namespace) -> str:
+    """The connection options of a command, as advice should spell them."""
+    if args.sentinel:
+        return "--sentinel HOST:PORT --master NAME"
+    return "--cluster --url URL" if args.cluster else "--url URL"
+
+
 def _heading(target: Target) -> None:
     if target.label is not None:
         print(f"== {target.label} ==")
@@ -309,7 +316,7 @@ async def _check(args: argparse.Namespace) -> int:
 
     code = await _on_each_target(targets, check, "current")
     if code:
-        print(f"run: {PROG} load --url URL", file=sys.stderr)
+        print(f"run: {PROG} load {_reach(args)}", file=sys.stderr)
     return code
 
 
@@ -419,7 +426,9 @@ async def _doctor(args: argparse.Namespace) -> int:
     targets = await _targets(args, args.queues)
 
     async def doctor(client: Any, target: Target) -> bool:
-        diagnosis = await diagnose(client, target.streams, args.group, thresholds, PROG)
+        diagnosis = await diagnose(
+            client, target.streams, args.group, thresholds, PROG, _reach(args)
+        )
         if args.fix:
             await apply_fixes(client, diagnosis, thresholds)
         _heading(target)

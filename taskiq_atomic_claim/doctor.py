@@ -124,6 +124,7 @@ async def diagnose(
     group: str | None = None,
     thresholds: Thresholds | None = None,
     prog: str = "taskiq-atomic-claim",
+    reach: str = "--url URL",
 ) -> Diagnosis:
     limits = thresholds or Thresholds()
     inspection = await inspect_server(client, streams, group)
@@ -141,7 +142,7 @@ async def diagnose(
                 "library",
                 library.name,
                 f"this release's library is {library.state}{others}",
-                f"run `{prog} load --url URL` (workers also load it on demand"
+                f"run `{prog} load {reach}` (workers also load it on demand"
                 " if their ACL allows FUNCTION LOAD / SCRIPT LOAD)",
                 fixable=True,
             )
@@ -220,7 +221,7 @@ async def diagnose(
                     )
                 continue
             groups_checked += 1
-            findings += _group_findings(stream.name, view, limits, prog)
+            findings += _group_findings(stream.name, view, limits, prog, reach)
     return Diagnosis(
         inspection.server_version,
         len(inspection.streams),
@@ -230,10 +231,10 @@ async def diagnose(
 
 
 def _group_findings(
-    stream: str, view: Any, limits: Thresholds, prog: str
+    stream: str, view: Any, limits: Thresholds, prog: str, reach: str
 ) -> Iterable[Finding]:
     subject = f"{stream} / {view.name}"
-    scope = f"--url URL --queue={shlex.quote(stream)} --group={shlex.quote(view.name)}"
+    scope = f"{reach} --queue={shlex.quote(stream)} --group={shlex.quote(view.name)}"
     if view.pending > limits.max_pending:
         yield Finding(
             "pel-size",

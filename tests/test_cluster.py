@@ -777,6 +777,8 @@ def test_doctor_finds_and_fixes_on_each_primary(cluster: LocalCluster) -> None:
         assert f"[legacy-lock] {lock}:" in sections[lock_node.port]
         assert "[library]" in sections[flushed.port]
         assert "[library]" not in sections[lock_node.port]
+        # The advice names commands that work on a cluster.
+        assert "run `taskiq-atomic-claim load --cluster --url URL`" in found.stdout
         assert f"/{len(cluster.primaries)} primaries healthy" in found.stdout
 
         fixed = cli("doctor", "--fix", *scope)

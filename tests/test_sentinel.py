@@ -425,6 +425,7 @@ def test_inspect_and_doctor_through_sentinel_act_on_the_master(
     found = cli("doctor", *args)
     assert found.returncode == 1, found.stdout + found.stderr
     assert "[library]" in found.stdout
+    assert "load --sentinel HOST:PORT --master NAME`" in found.stdout
     fixed = cli("doctor", "--fix", *args)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     with SyncRedis(port=port) as master:
