@@ -118,7 +118,7 @@ def add_server_options(command: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="ask these sentinels for the master (repeatable); needs --master",
     )
-    topology.add_argument("--master", help="the Sentinel master name")
+    topology.add_argument("--master", metavar="NAME", help="the Sentinel master name")
 
 
 def connect(options: ConnectionOptions) -> Any:
@@ -600,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=_name("--queue"),
             action="append",
             dest="queues",
+            metavar="QUEUE",
             help="stream to look at (repeatable); default: every stream found",
         )
         command.add_argument(
