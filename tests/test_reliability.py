@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
@@ -301,5 +302,47 @@ async def test_a_server_demoted_under_a_blocked_read_does_not_end_listen(
         received = await asyncio.wait_for(nxt, 15)
         assert received.data == b"after-demotion"
         await received.ack()
+    finally:
+        await broker.shutdown()
+
+
+def cancel_swallowing_connection() -> tuple[type[Connection], list[int]]:
+    """Fault injection: the first cancel that lands in a read is swallowed
+    and the read returns an empty reply, as redis-py 8.1 has been seen to do
+    on Python 3.11. Returns the class and a list that grows per swallow."""
+    swallowed: list[int] = []
+
+    class CancelSwallowingConnection(Connection):
+        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().read_response(*args, **kwargs)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)
+                return None
+
+    return CancelSwallowingConnection, swallowed
+
+
+async def test_a_cancel_swallowed_inside_a_read_still_stops_listen(
+    server: Server,
+) -> None:
+    connection_class, swallowed = cancel_swallowing_connection()
+    broker = await started(
+        server,
+        connection_class=connection_class,
+        idle_timeout=60_000,
+        claim_interval=30_000,
+        xread_block=5000,
+    )
+    try:
+        waiting = asyncio.ensure_future(broker.listen().__anext__())
+        await asyncio.sleep(0.5)  # past the first claim, blocked in XREADGROUP
+        waiting.cancel()
+        done, _ = await asyncio.wait({waiting}, timeout=3)
+        assert swallowed, "the cancel did not land in a read: nothing was tested"
+        # Without the guard the loop reads on and the canceller waits forever.
+        assert done and waiting.cancelled()
     finally:
         await broker.shutdown()
