@@ -124,8 +124,8 @@ def add_server_options(command: argparse.ArgumentParser) -> None:
 def connect(options: ConnectionOptions) -> Any:
     """The client for ``options``: the one place clients are made.
 
-    Standalone servers only, for now; Cluster and Sentinel plug in here
-    (their options on ConnectionOptions, their clients returned from here).
+    Always a client of one server: with --cluster or --sentinel,
+    ``_targets`` first finds which servers (primaries, the master) to reach.
     """
     url = options.url
     scheme = urlsplit(url).scheme
