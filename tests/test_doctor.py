@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -18,19 +16,10 @@ from taskiq_atomic_claim.doctor import Finding, Thresholds, apply_fixes, diagnos
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from tests.conftest import Server
+from tests.test_cli import cli
 
 KEYS = StreamKeys("jobs", "workers")
 LEGACY = "autoclaim:workers:jobs"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 async def healthy_group(redis: Redis) -> None:

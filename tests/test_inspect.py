@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,6 +21,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server
+from tests.test_cli import cli
 
 KEYS = StreamKeys("jobs", "workers")
 # The documented shape, key order included: scripts may rely on it.
@@ -44,16 +43,6 @@ GROUP_KEYS = [
     "dead_letters",
 ]
 CONSUMER_KEYS = ["name", "pending", "idle_ms", "oldest_pending_idle_ms"]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 async def busy_group(redis: Redis) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from taskiq.message import BrokerMessage
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries, free_port
 from taskiq_atomic_claim.scripts import LIBRARY
+from tests.test_cli import cli
 
 pytestmark = pytest.mark.tls
 
@@ -133,16 +133,6 @@ async def admin(tls_server: TlsServer) -> AsyncIterator[Redis]:
                 assert await client.pttl(key) != -1, f"{key!r} has no expiry"
     finally:
         await client.aclose()
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def message(body: str) -> BrokerMessage:
