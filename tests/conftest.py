@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -237,19 +237,26 @@ def planted_keys() -> set[str]:
     return set()
 
 
+async def assert_every_key_expires(
+    client: Redis, planted_keys: Collection[str] = ()
+) -> None:
+    """The invariant: no key but a stream (data) lives without an expiry."""
+    unexpiring = []
+    async for key in client.scan_iter(count=1000):
+        name = key.decode()
+        if name in planted_keys or await client.type(key) == b"stream":
+            continue
+        if await client.pttl(key) == -1:
+            unexpiring.append(name)
+    assert not unexpiring, f"keys without an expiry left behind: {unexpiring}"
+
+
 @pytest.fixture
 async def redis(server: Server, planted_keys: set[str]) -> AsyncIterator[Redis]:
     client = Redis.from_url(server.admin_url)
     await client.flushall()
     yield client
     try:
-        unexpiring = []
-        async for key in client.scan_iter(count=1000):
-            name = key.decode()
-            if name in planted_keys or await client.type(key) == b"stream":
-                continue
-            if await client.pttl(key) == -1:
-                unexpiring.append(name)
-        assert not unexpiring, f"keys without an expiry left behind: {unexpiring}"
+        await assert_every_key_expires(client, planted_keys)
     finally:
         await client.aclose()

@@ -22,6 +22,7 @@ from taskiq.message import BrokerMessage
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries, free_port
 from taskiq_atomic_claim.scripts import LIBRARY
+from tests.conftest import assert_every_key_expires
 from tests.test_cli import cli
 
 pytestmark = pytest.mark.tls
@@ -128,9 +129,7 @@ async def admin(tls_server: TlsServer) -> AsyncIterator[Redis]:
     await client.flushall()
     yield client
     try:
-        async for key in client.scan_iter(count=1000):
-            if await client.type(key) != b"stream":
-                assert await client.pttl(key) != -1, f"{key!r} has no expiry"
+        await assert_every_key_expires(client)
     finally:
         await client.aclose()
 
