@@ -51,6 +51,40 @@ def build_broker(
     )
 
 
+def add_drill_task(
+    broker: AsyncBroker,
+    events: Redis,
+    queue: str,
+    worker: str,
+    task_name: str = TASK_NAME,
+) -> None:
+    """Give ``broker`` the drill's task: ``work(run_id, seconds)`` sleeps, and
+    the worker reports "ready", "started" and "finished" to the events stream
+    of ``queue`` on ``events``, each naming ``worker``."""
+
+    async def report(event: str, run_id: str = "") -> None:
+        fields = {"event": event, "run": run_id, "worker": worker}
+        # Bounded retries: the soak restarts the server under running tasks,
+        # and a lost report would read as a lost task.
+        for _ in range(100):
+            try:
+                await events.xadd(events_stream(queue), fields)  # type: ignore[arg-type]
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                await asyncio.sleep(0.1)
+        await events.xadd(events_stream(queue), fields)  # type: ignore[arg-type]
+
+    @broker.on_event(TaskiqEvents.WORKER_STARTUP)
+    async def ready(_: TaskiqState) -> None:
+        await report("ready")
+
+    @broker.task(task_name=task_name)
+    async def work(run_id: str, seconds: float) -> None:
+        await report("started", run_id)
+        await asyncio.sleep(seconds)
+        await report("finished", run_id)
+
+
 _URL = os.environ.get("TAC_DRILL_URL", "redis://127.0.0.1:6379")
 _QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
 _WORKER = os.environ.get("TAC_DRILL_WORKER", f"{socket.gethostname()}:{os.getpid()}")
@@ -65,29 +99,4 @@ broker = build_broker(
     # server what a worker it killed still had pending.
     consumer_name=_WORKER,
 )
-_events = Redis.from_url(_URL)
-
-
-async def _report(event: str, run_id: str = "") -> None:
-    fields = {"event": event, "run": run_id, "worker": _WORKER}
-    # Bounded retries: the soak restarts the server under running tasks, and
-    # a lost report would read as a lost task.
-    for _ in range(100):
-        try:
-            await _events.xadd(events_stream(_QUEUE), fields)  # type: ignore[arg-type]
-            return
-        except (RedisConnectionError, RedisTimeoutError, OSError):
-            await asyncio.sleep(0.1)
-    await _events.xadd(events_stream(_QUEUE), fields)  # type: ignore[arg-type]
-
-
-@broker.on_event(TaskiqEvents.WORKER_STARTUP)
-async def _ready(_: TaskiqState) -> None:
-    await _report("ready")
-
-
-@broker.task(task_name=TASK_NAME)
-async def work(run_id: str, seconds: float) -> None:
-    await _report("started", run_id)
-    await asyncio.sleep(seconds)
-    await _report("finished", run_id)
+add_drill_task(broker, Redis.from_url(_URL), _QUEUE, _WORKER)

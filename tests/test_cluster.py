@@ -28,6 +28,7 @@ from taskiq_atomic_claim.cluster_broker import (
     SlotRoutedClient,
     slot_groups,
 )
+from taskiq_atomic_claim.drill_app import events_stream
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
@@ -46,7 +47,7 @@ from tests.topologies import (
     unexpiring_keys,
     wait_replicated,
 )
-from tests.topology_app import TASK_NAME, events_stream
+from tests.topology_app import TASK_NAME
 
 IDLE_MS, INTERVAL_MS = 1000, 200
 # Reclaim happens one idle_timeout after delivery, at the next claim cycle;

@@ -20,6 +20,7 @@ import pytest
 from redis import Redis as SyncRedis
 from taskiq.kicker import AsyncKicker
 
+from taskiq_atomic_claim.drill_app import events_stream
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
@@ -37,7 +38,7 @@ from tests.topologies import (
     unexpiring_keys,
     wait_replicated,
 )
-from tests.topology_app import TASK_NAME, events_stream
+from tests.topology_app import TASK_NAME
 
 IDLE_MS, INTERVAL_MS = 1000, 200
 RECLAIM_BOUND_S = (IDLE_MS + INTERVAL_MS) / 1000 + 2.0

@@ -15,21 +15,17 @@ tests.topology_app:broker`` subprocess picks it up:
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 from redis.asyncio import Redis
-from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
+from taskiq import AsyncBroker
 
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.drill_app import add_drill_task
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 
 TASK_NAME = "tests.topology_app.work"
 MASTER_NAME = "tac-master"
-
-
-def events_stream(queue: str) -> str:
-    return f"{queue}:drill-events"
 
 
 def parse_nodes(text: str) -> list[tuple[str, int]]:
@@ -70,7 +66,6 @@ def build_broker(
 
 
 _QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
-_WORKER = os.environ.get("TAC_DRILL_WORKER", f"worker-{os.getpid()}")
 
 broker = build_broker(
     os.environ.get("TAC_TOPOLOGY", "cluster"),
@@ -80,24 +75,10 @@ broker = build_broker(
     int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
     os.environ.get("TAC_TOPOLOGY_MASTER", MASTER_NAME),
 )
-_events = Redis.from_url(
-    os.environ.get("TAC_DRILL_EVENTS_URL", "redis://127.0.0.1:6379")
+add_drill_task(
+    broker,
+    Redis.from_url(os.environ.get("TAC_DRILL_EVENTS_URL", "redis://127.0.0.1:6379")),
+    _QUEUE,
+    os.environ.get("TAC_DRILL_WORKER", f"worker-{os.getpid()}"),
+    TASK_NAME,
 )
-
-
-async def _report(event: str, run_id: str = "") -> None:
-    await _events.xadd(
-        events_stream(_QUEUE), {"event": event, "run": run_id, "worker": _WORKER}
-    )
-
-
-@broker.on_event(TaskiqEvents.WORKER_STARTUP)
-async def _ready(_: TaskiqState) -> None:
-    await _report("ready")
-
-
-@broker.task(task_name=TASK_NAME)
-async def work(run_id: str, seconds: float) -> None:
-    await _report("started", run_id)
-    await asyncio.sleep(seconds)
-    await _report("finished", run_id)
