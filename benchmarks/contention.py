@@ -64,13 +64,7 @@ async def _claim_loop(spec: dict[str, Any], conn: Connection) -> dict[str, Any]:
         claimer = make_claimer(
             spec["variant"],
             client,
-            Target(
-                STREAM,
-                GROUP,
-                f"claimer-{spec['index']}",
-                regime.arguments.settings(),
-                regime.arguments.lock_timeout_s,
-            ),
+            Target.of(STREAM, GROUP, f"claimer-{spec['index']}", regime.arguments),
         )
         await claimer.prepare()
         await client.ping()

@@ -37,7 +37,6 @@ async def _ping_rtt_us(client: Redis) -> float:
 
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
     arguments = BrokerArguments.from_dict(spec["arguments"])
-    settings = arguments.settings()
     client = Redis.from_url(spec["url"])
     harness = Redis.from_url(spec["hand_back_url"])
     try:
@@ -53,12 +52,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
                 make_claimer(
                     variant,
                     client,
-                    Target(
-                        spec["stream"],
-                        spec["group"],
-                        f"bench-{variant}",
-                        settings,
-                        arguments.lock_timeout_s,
+                    Target.of(
+                        spec["stream"], spec["group"], f"bench-{variant}", arguments
                     ),
                 ),
                 hand_back,

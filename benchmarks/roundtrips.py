@@ -40,26 +40,14 @@ async def count_variant(
         client = Redis.from_url(proxy.url)
         try:
             claimer = make_claimer(
-                variant,
-                client,
-                Target(
-                    stream,
-                    group,
-                    f"bench-{variant}",
-                    arguments.settings(),
-                    arguments.lock_timeout_s,
-                ),
+                variant, client, Target.of(stream, group, f"bench-{variant}", arguments)
             )
             await claimer.prepare()
             # Warm: connection handshake, script loads, first-use lookups.
-            for _ in range(3):
-                result = await claimer.cycle()
-                await workload.hand_back(harness, stream, group, result.ids)
+            await workload.claim_cycles(claimer, harness, stream, group, 3)
             with Monitor(port) as monitor:
                 proxy.reset()
-                for _ in range(cycles):
-                    result = await claimer.cycle()
-                    await workload.hand_back(harness, stream, group, result.ids)
+                await workload.claim_cycles(claimer, harness, stream, group, cycles)
                 turns = proxy.turns
                 commands = await asyncio.to_thread(monitor.stop)
         finally:
@@ -134,13 +122,7 @@ async def upstream_fidelity(port: int, arguments: BrokerArguments) -> dict[str, 
             replica = make_claimer(
                 "upstream_1_2_4",
                 replica_client,
-                Target(
-                    replica_stream,
-                    "taskiq",
-                    "bench-replica",
-                    arguments.settings(),
-                    arguments.lock_timeout_s,
-                ),
+                Target.of(replica_stream, "taskiq", "bench-replica", arguments),
             )
             await replica.cycle()  # loads the release script, like 1.2.4's first
             with Monitor(port) as monitor:

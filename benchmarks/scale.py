@@ -64,13 +64,7 @@ async def _run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
             for size, stream in streams.items():
                 await admin.delete(*coordination_keys(stream, GROUP))
                 for variant in VARIANTS:
-                    target = Target(
-                        stream,
-                        GROUP,
-                        f"bench-{variant}",
-                        arguments.settings(),
-                        arguments.lock_timeout_s,
-                    )
+                    target = Target.of(stream, GROUP, f"bench-{variant}", arguments)
                     subjects.append(
                         Subject(
                             f"{variant}@{size}",

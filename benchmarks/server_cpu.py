@@ -44,24 +44,12 @@ async def measure_variant(
     harness = Redis.from_url(url)
     try:
         claimer = make_claimer(
-            variant,
-            client,
-            Target(
-                stream,
-                group,
-                f"bench-{variant}",
-                arguments.settings(),
-                arguments.lock_timeout_s,
-            ),
+            variant, client, Target.of(stream, group, f"bench-{variant}", arguments)
         )
         await claimer.prepare()
-        for _ in range(3):
-            result = await claimer.cycle()
-            await workload.hand_back(harness, stream, group, result.ids)
+        await workload.claim_cycles(claimer, harness, stream, group, 3)  # warm
         await harness.config_resetstat()
-        for _ in range(cycles):
-            result = await claimer.cycle()
-            await workload.hand_back(harness, stream, group, result.ids)
+        await workload.claim_cycles(claimer, harness, stream, group, cycles)
         stats = _stat_bases(await harness.info("commandstats"))
     finally:
         await client.aclose()

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockNotOwnedError
 
+from benchmarks.config import BrokerArguments
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -49,6 +50,15 @@ class Target:
     # What the broker was given as unacknowledged_lock_timeout (seconds);
     # taskiq-redis passes it to its lock unchanged, None meaning no expiry.
     lock_timeout_s: float | None
+
+    @classmethod
+    def of(
+        cls, stream: str, group: str, consumer: str, arguments: BrokerArguments
+    ) -> Target:
+        """Claim as the broker given ``arguments`` would."""
+        return cls(
+            stream, group, consumer, arguments.settings(), arguments.lock_timeout_s
+        )
 
 
 class Claimer(Protocol):

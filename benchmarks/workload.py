@@ -14,6 +14,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from benchmarks.config import AGED_IDLE_MS, PAYLOAD
+from benchmarks.variants import Claimer
 
 DEAD_CONSUMER = "bench-dead-consumer"
 # Entries added per EVAL: keeps each populate call to tens of milliseconds.
@@ -70,6 +71,16 @@ async def add_pending(client: Redis, stream: str, group: str, count: int) -> int
 async def pending_count(client: Redis, stream: str, group: str) -> int:
     summary = await client.xpending(stream, group)
     return int(summary["pending"])
+
+
+async def claim_cycles(
+    claimer: Claimer, harness: Redis, stream: str, group: str, cycles: int
+) -> None:
+    """``cycles`` claim cycles, each batch handed back so the next finds the
+    same backlog."""
+    for _ in range(cycles):
+        result = await claimer.cycle()
+        await hand_back(harness, stream, group, result.ids)
 
 
 async def hand_back(client: Redis, stream: str, group: str, ids: list[str]) -> None:
