@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from redis import Redis
@@ -139,7 +139,36 @@ class ClusterNode:
         return role.decode() if isinstance(role, bytes) else str(role)
 
 
-class LocalCluster:
+_TopologyT = TypeVar("_TopologyT", bound="_Started")
+
+
+class _Started:
+    """A set of processes that ``with`` starts (closing what did start if
+    that fails) and closes at the end."""
+
+    def start(self: _TopologyT) -> _TopologyT:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _TopologyT) -> _TopologyT:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class LocalCluster(_Started):
     """``primaries`` primaries, each with ``replicas`` replicas, on loopback.
 
     ``node_timeout`` (ms) is how long a silent primary takes to be failed
@@ -306,21 +335,6 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 node.server.close()
 
-    def __enter__(self) -> LocalCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 def _cluster_info(port: int) -> dict[str, str]:
     with _client(port) as client:
@@ -381,7 +395,7 @@ class SentinelProcess:
         self._tmp.cleanup()
 
 
-class LocalSentinels:
+class LocalSentinels(_Started):
     """One master, ``replicas`` replicas, ``sentinels`` sentinels (quorum 2)."""
 
     master_name = "tac-master"
@@ -485,21 +499,6 @@ class LocalSentinels:
         for server in self.servers:
             with contextlib.suppress(Exception):
                 server.close()
-
-    def __enter__(self) -> LocalSentinels:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _flat_to_dict(flat: Any) -> dict[str, str]:
