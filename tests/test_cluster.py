@@ -40,6 +40,7 @@ from tests.topologies import (
     DrillWorkers,
     EventLog,
     LocalCluster,
+    StartedBrokers,
     binary_for,
     bounded,
     message,
@@ -91,11 +92,8 @@ def spread_streams(cluster: LocalCluster, prefix: str) -> list[str]:
     return [by_primary[first]] + [s for p, s in by_primary.items() if p != first]
 
 
-class Brokers:
+class Brokers(StartedBrokers):
     """Cluster brokers started for one test; all shut down at its end."""
-
-    def __init__(self) -> None:
-        self.started: list[AtomicRedisStreamClusterBroker] = []
 
     async def __call__(
         self, cluster: LocalCluster, streams: list[str], name: str, **kwargs: Any
@@ -112,23 +110,13 @@ class Brokers:
             consumer_id="0",
             **kwargs,
         )
-        self.started.append(broker)
-        await broker.startup()
-        return broker
-
-    async def shutdown_all(self) -> None:
-        started, self.started = self.started, []
-        for broker in started:
-            await broker.shutdown()
+        return await self.start(broker)
 
 
 @pytest.fixture
 async def make_broker() -> AsyncIterator[Brokers]:
-    brokers = Brokers()
-    try:
+    async with Brokers() as brokers:
         yield brokers
-    finally:
-        await brokers.shutdown_all()
 
 
 async def kick_all(

@@ -31,6 +31,7 @@ from tests.topologies import (
     DrillWorkers,
     EventLog,
     LocalSentinels,
+    StartedBrokers,
     binary_for,
     bounded,
     message,
@@ -66,11 +67,8 @@ def events_server() -> Iterator[LocalServer]:
         yield server
 
 
-class Brokers:
+class Brokers(StartedBrokers):
     """Sentinel brokers started for one test; all shut down at its end."""
-
-    def __init__(self) -> None:
-        self.started: list[AtomicRedisStreamSentinelBroker] = []
 
     async def __call__(
         self, setup: LocalSentinels, queue: str, name: str, **kwargs: Any
@@ -86,23 +84,13 @@ class Brokers:
             consumer_id="0",
             **kwargs,
         )
-        self.started.append(broker)
-        await broker.startup()
-        return broker
-
-    async def shutdown_all(self) -> None:
-        started, self.started = self.started, []
-        for broker in started:
-            await broker.shutdown()
+        return await self.start(broker)
 
 
 @pytest.fixture
 async def make_broker() -> AsyncIterator[Brokers]:
-    brokers = Brokers()
-    try:
+    async with Brokers() as brokers:
         yield brokers
-    finally:
-        await brokers.shutdown_all()
 
 
 async def kick(broker: Any, queue: str, count: int, tag: str) -> set[str]:

@@ -36,6 +36,7 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import RedisError
+from taskiq import AsyncBroker
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.embedded_server import (
@@ -166,6 +167,30 @@ class _Started:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+_BrokerT = TypeVar("_BrokerT", bound=AsyncBroker)
+_BrokersT = TypeVar("_BrokersT", bound="StartedBrokers")
+
+
+class StartedBrokers:
+    """Brokers started for one test (``async with``); all shut down at its end."""
+
+    def __init__(self) -> None:
+        self.started: list[AsyncBroker] = []
+
+    async def start(self, broker: _BrokerT) -> _BrokerT:
+        self.started.append(broker)
+        await broker.startup()
+        return broker
+
+    async def __aenter__(self: _BrokersT) -> _BrokersT:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        started, self.started = self.started, []
+        for broker in started:
+            await broker.shutdown()
 
 
 class LocalCluster(_Started):
