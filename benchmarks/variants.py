@@ -108,53 +108,6 @@ class AtomicClaimer:
         return {"dead_lettered": self.dead_lettered}
 
 
-class PlainLockClaimer:
-    name = "plain_lock"
-
-    def __init__(self, client: Redis, target: Target) -> None:
-        self.client = client
-        self.target = target
-        self.lock = Lock(
-            client,
-            f"bench-plain-lock:{target.group}:{target.stream}",
-            timeout=target.settings.lease / 1000,
-            blocking=False,
-        )
-        self.cursor = "0-0"
-        # Releases that found the lock gone: the holder's timeout ran out
-        # mid-cycle, so another claimer may have held it at the same time.
-        self.lost_locks = 0
-
-    async def prepare(self) -> None:
-        return None
-
-    async def cycle(self) -> CycleResult:
-        if await self.lock.locked():
-            return CycleResult(skipped=True)
-        if not await self.lock.acquire():
-            return CycleResult(skipped=True)
-        settings = self.target.settings
-        try:
-            reply: Any = await self.client.xautoclaim(
-                self.target.stream,
-                self.target.group,
-                self.target.consumer,
-                settings.idle_timeout,
-                start_id=self.cursor,
-                count=settings.batch_size,
-            )
-        finally:
-            try:
-                await self.lock.release()
-            except LockNotOwnedError:
-                self.lost_locks += 1
-        self.cursor = _text(reply[0])
-        return CycleResult(False, _ids(reply[1]))
-
-    def counters(self) -> dict[str, int]:
-        return {"lost_locks": self.lost_locks}
-
-
 class BareClaimer:
     name = "bare_xautoclaim"
 
@@ -181,6 +134,40 @@ class BareClaimer:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+
+class PlainLockClaimer(BareClaimer):
+    """The bare cycle inside a redis-py ``Lock``."""
+
+    name = "plain_lock"
+
+    def __init__(self, client: Redis, target: Target) -> None:
+        super().__init__(client, target)
+        self.lock = Lock(
+            client,
+            f"bench-plain-lock:{target.group}:{target.stream}",
+            timeout=target.settings.lease / 1000,
+            blocking=False,
+        )
+        # Releases that found the lock gone: the holder's timeout ran out
+        # mid-cycle, so another claimer may have held it at the same time.
+        self.lost_locks = 0
+
+    async def cycle(self) -> CycleResult:
+        if await self.lock.locked():
+            return CycleResult(skipped=True)
+        if not await self.lock.acquire():
+            return CycleResult(skipped=True)
+        try:
+            return await super().cycle()
+        finally:
+            try:
+                await self.lock.release()
+            except LockNotOwnedError:
+                self.lost_locks += 1
+
+    def counters(self) -> dict[str, int]:
+        return {"lost_locks": self.lost_locks}
 
 
 class UpstreamClaimer:
