@@ -100,8 +100,13 @@ class ClaimSettings:
         return self.idle_timeout + 2 * self.claim_interval
 
 
-def _check_stream_arguments(
+def check_broker_arguments(
     *,
+    idle_timeout: object,
+    claim_interval: object,
+    unacknowledged_batch_size: object,
+    unacknowledged_lock_timeout: object,
+    max_deliveries: object,
     queue_name: object,
     consumer_group_name: object,
     consumer_name: object,
@@ -109,7 +114,15 @@ def _check_stream_arguments(
     maxlen: object,
     xread_count: object,
     additional_streams: object,
-) -> None:
+) -> ClaimSettings:
+    """Every check the brokers share; a ValueError names the parameter."""
+    settings = ClaimSettings.from_broker_arguments(
+        idle_timeout=idle_timeout,
+        claim_interval=claim_interval,
+        unacknowledged_batch_size=unacknowledged_batch_size,
+        unacknowledged_lock_timeout=unacknowledged_lock_timeout,
+        max_deliveries=max_deliveries,
+    )
     require_name("queue_name", queue_name)
     require_name("consumer_group_name", consumer_group_name)
     if consumer_name is not None:
@@ -134,38 +147,4 @@ def _check_stream_arguments(
             )
         for stream in additional_streams:
             require_name("additional_streams key", stream)
-
-
-def check_broker_arguments(
-    *,
-    idle_timeout: object,
-    claim_interval: object,
-    unacknowledged_batch_size: object,
-    unacknowledged_lock_timeout: object,
-    max_deliveries: object,
-    queue_name: object,
-    consumer_group_name: object,
-    consumer_name: object,
-    xread_block: object,
-    maxlen: object,
-    xread_count: object,
-    additional_streams: object,
-) -> ClaimSettings:
-    """Every check the brokers share; a ValueError names the parameter."""
-    settings = ClaimSettings.from_broker_arguments(
-        idle_timeout=idle_timeout,
-        claim_interval=claim_interval,
-        unacknowledged_batch_size=unacknowledged_batch_size,
-        unacknowledged_lock_timeout=unacknowledged_lock_timeout,
-        max_deliveries=max_deliveries,
-    )
-    _check_stream_arguments(
-        queue_name=queue_name,
-        consumer_group_name=consumer_group_name,
-        consumer_name=consumer_name,
-        xread_block=xread_block,
-        maxlen=maxlen,
-        xread_count=xread_count,
-        additional_streams=additional_streams,
-    )
     return settings
