@@ -66,7 +66,7 @@ class ConnectionOptions:
     def from_args(cls, args: argparse.Namespace) -> ConnectionOptions:
         url = args.url
         if url is None:
-            if not getattr(args, "sentinel", None):
+            if not args.sentinel:
                 raise CommandError(
                     "--url is required (for Sentinel: --sentinel HOST:PORT"
                     " --master NAME)"
@@ -74,9 +74,9 @@ class ConnectionOptions:
             url = "redis://"  # the sentinels name the master's host and port
         return cls(
             url=url,
-            tls_ca_cert=getattr(args, "tls_ca_cert", None),
-            tls_cert=getattr(args, "tls_cert", None),
-            tls_key=getattr(args, "tls_key", None),
+            tls_ca_cert=args.tls_ca_cert,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
 
 
