@@ -128,7 +128,10 @@ def connect(options: ConnectionOptions) -> Any:
     ``_targets`` first finds which servers (primaries, the master) to reach.
     """
     url = options.url
-    scheme = urlsplit(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError as error:  # e.g. an unclosed "[" in the host
+        raise CommandError(f"bad --url {url!r}: {error}") from None
     if scheme not in _SCHEMES:
         raise CommandError(
             f"bad --url {url!r}: scheme must be one of"
@@ -175,6 +178,7 @@ async def _targets(
     sentinels name, or every primary of a cluster, each with those of the
     named ``streams`` it holds."""
     options = ConnectionOptions.from_args(args)
+    connect(options)  # validates the URL and TLS options before any I/O
     if args.cluster and args.sentinel:
         raise CommandError("--cluster and --sentinel exclude each other")
     if args.sentinel:
@@ -216,7 +220,6 @@ async def _discover_master(sentinels: list[str], master: str) -> tuple[str, int]
 async def _cluster_primaries(
     options: ConnectionOptions, streams: list[str] | None
 ) -> list[Target]:
-    connect(options)  # validates the URL and TLS options first
     tls = _tls_arguments(options)
     startup = RedisCluster.from_url(
         options.url, socket_connect_timeout=5, socket_timeout=10, **tls
