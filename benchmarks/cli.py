@@ -1,7 +1,9 @@
 """``python -m benchmarks``: every part, one server, one results file.
 
 Parts, in order: claim_cycle (latency per RTT, round trips, server time,
-upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput.
+upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
+mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
+idle fleet costs the server).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from benchmarks import (
     claim_cycle,
     contention,
     end_to_end,
+    fleet_idle,
     machine,
+    mass_recovery,
     netpath,
     report,
     safety,
     scale,
     throughput,
 )
-from benchmarks.config import MODES, REGIMES, REPO_ROOT
+from benchmarks.config import MODES, REGIMES
 from taskiq_atomic_claim.embedded_server import (
     LocalServer,
     ServerBinary,
@@ -36,9 +40,24 @@ from taskiq_atomic_claim.embedded_server import (
     find_binaries,
 )
 
-PARTS = ("claim_cycle", "contention", "scale", "e2e", "throughput")
+PARTS = (
+    "claim_cycle",
+    "contention",
+    "scale",
+    "e2e",
+    "throughput",
+    "mass_recovery",
+    "fleet_idle",
+)
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# Servers built from source once by the test suite's setup, by label; a run
+# may name one before it is built and is then skipped, not failed.
+BUILT_SERVERS = Path("/var/cache/taskiq-atomic-claim")
+KNOWN_BUILDS = ("redis-8.6.3",)
+
+
+class ServerAbsentError(Exception):
+    """A --server that names a known build not present on this machine."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,12 +77,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--plot",
         type=Path,
-        help="latency-vs-RTT PNG (default: beside --json, else benchmarks/results/)",
+        help="draw the latency-vs-RTT PNG here (needs matplotlib: the bench"
+        " extra); without it no plot is drawn",
     )
     parser.add_argument(
         "--server",
-        help="server binary path or label such as redis-6.2.14 (default: Redis 7.0"
-        f" at {DEFAULT_SERVER} if present, else the newest found)",
+        help="server binary path or label such as redis-6.2.14 or"
+        f" {', '.join(KNOWN_BUILDS)} (from {BUILT_SERVERS}; the run is skipped"
+        f" if it is not built) (default: Redis 7.0 at {DEFAULT_SERVER} if"
+        " present, else the newest found)",
     )
     parser.add_argument(
         "--latency-method",
@@ -82,6 +104,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"comma-separated subset of: {','.join(PARTS)}",
     )
     args = parser.parse_args(argv)
+    if args.plot:
+        # Checked before measuring, not after minutes of it; only --plot pays
+        # for the import.
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError as error:
+            parser.error(
+                "--plot needs matplotlib: pip install 'taskiq-atomic-claim[bench]'"
+                f" ({error})"
+            )
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(args.parts) - set(PARTS)
     if unknown:
@@ -113,6 +145,13 @@ def choose_binary(choice: str | None) -> ServerBinary:
     for binary in found:
         if choice in (binary.label, str(binary.path)):
             return binary
+    if choice in KNOWN_BUILDS:
+        built = BUILT_SERVERS / choice / "redis-server"
+        if not built.exists():
+            raise ServerAbsentError(
+                f"--server {choice}: not built yet ({built} is absent)"
+            )
+        return _describe_binary(built)
     path = Path(choice)
     if not path.exists():
         labels = ", ".join(b.label for b in found)
@@ -134,9 +173,8 @@ def _finite(value: Any) -> Any:
 def _from_json(args: argparse.Namespace) -> int:
     results = json.loads(args.from_json.read_text())
     print(report.render(results))
-    plot_path = args.plot or args.from_json.parent / "claim_latency.png"
-    if report.plot(results, plot_path):
-        print(f"wrote {plot_path}", file=sys.stderr)
+    if args.plot and report.plot(results, args.plot):
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -156,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    binary = choose_binary(args.server)
+    try:
+        binary = choose_binary(args.server)
+    except ServerAbsentError as absent:
+        print(f"skipped: {absent}", file=sys.stderr)
+        return 0
     results: dict[str, Any] = {
         "mode": mode.name,
         "command": " ".join(["python -m benchmarks", *argv]),
@@ -198,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                 results["throughput"] = throughput.run(
                     server.url, mode.throughput_messages, mode.throughput_reps, log
                 )
+            if "mass_recovery" in args.parts:
+                results["mass_recovery"] = mass_recovery.run(server.url, mode, log)
+            if "fleet_idle" in args.parts:
+                results["fleet_idle"] = fleet_idle.run(
+                    server.url, server.port, mode, log
+                )
     finally:
         if path is not None:
             path.close()
@@ -211,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         log(f"wrote {args.json}")
-    plot_path = (
-        args.plot
-        or (args.json.parent if args.json else RESULTS_DIR) / "claim_latency.png"
-    )
-    if report.plot(results, plot_path):
-        log(f"wrote {plot_path}")
+    # Only --plot draws, and only it needs matplotlib.
+    if args.plot and report.plot(results, args.plot):
+        log(f"wrote {args.plot}")
     return 0

@@ -173,6 +173,30 @@ class Mode:
     e2e_claim_interval: int = 500
     throughput_messages: int = 10_000
     throughput_reps: int = 5
+    # Mass recovery (issue 14 part 2): orphans left by dead consumers, a live
+    # fleet of workers x slots running tasks of task_s, new tasks kicked at a
+    # steady rate; each broker's run is cut at mass_cap_s.
+    mass_orphans: int = 20_000
+    mass_dead: int = 20
+    mass_workers: int = 4
+    # taskiq worker's default max_async_tasks.
+    mass_slots: int = 100
+    mass_task_s: float = 1.0
+    mass_new_per_s: float = 20.0
+    mass_cap_s: float = 300.0
+    # Idle fleet cost (part 3): (workers, streams, idle_timeout ms or None for
+    # the brokers' default), each idle for fleet_idle_s; fleet_monitor_s of
+    # MONITOR afterwards tells top-level from nested commands (longer than a
+    # claim interval, 1 s by default today, or it may see no script run).
+    fleet_shapes: tuple[tuple[int, int, int | None], ...] = (
+        (50, 10, None),
+        (10, 1, 60_000),
+    )
+    # A multiple of the 2 s blocking read (xread_block): a blocked
+    # XREADGROUP is counted when it returns, so each idle upstream worker
+    # lands the same whole number of reads in the window.
+    fleet_idle_s: float = 30.0
+    fleet_monitor_s: float = 5.0
 
     def claimers_for(self, regime: str) -> tuple[int, ...]:
         return self.regime_claimers.get(regime, self.claimers)
@@ -197,6 +221,15 @@ QUICK = Mode(
     e2e_give_up_s=5.0,
     throughput_messages=2000,
     throughput_reps=2,
+    mass_orphans=2000,
+    # Fewer slots than a default worker, so the drain, not the claim
+    # cadence alone, takes seconds (floor 2.5 s).
+    mass_slots=20,
+    mass_task_s=0.1,
+    mass_cap_s=45.0,
+    fleet_shapes=((10, 2, None), (10, 1, 60_000)),
+    fleet_idle_s=6.0,
+    fleet_monitor_s=2.5,
 )
 # For the test suite: every part, briefly; figures are not meaningful.
 SMOKE = Mode(
@@ -219,8 +252,21 @@ SMOKE = Mode(
     scale_cycles=30,
     e2e_rounds=1,
     e2e_upstream_idle_rounds=1,
-    e2e_give_up_s=5.0,
+    # Shorter than quick's, so the smoke test stays under a minute.
+    e2e_give_up_s=3.0,
+    e2e_idle_timeout=1000,
+    e2e_claim_interval=250,
     throughput_messages=300,
     throughput_reps=1,
+    mass_orphans=200,
+    mass_dead=3,
+    mass_workers=2,
+    mass_slots=10,
+    mass_task_s=0.05,
+    mass_new_per_s=20.0,
+    mass_cap_s=10.0,
+    fleet_shapes=((3, 2, None),),
+    fleet_idle_s=1.0,
+    fleet_monitor_s=2.2,
 )
 MODES = {mode.name: mode for mode in (FULL, QUICK, SMOKE)}

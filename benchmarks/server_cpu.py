@@ -18,10 +18,10 @@ from benchmarks.config import BrokerArguments
 from benchmarks.monitor import CommandCounts
 from benchmarks.variants import Target, make_claimer
 
-_HARNESS = {"xclaim", "config", "info", "ping", "client", "hello"}
+HARNESS_COMMANDS = {"xclaim", "config", "info", "ping", "client", "hello"}
 
 
-def _stat_bases(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def stat_bases(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(calls, usec) per command, subcommands folded into their command."""
     folded: dict[str, tuple[int, int]] = {}
     for key, value in stats.items():
@@ -50,7 +50,7 @@ async def measure_variant(
         await workload.claim_cycles(claimer, harness, stream, group, 3)  # warm
         await harness.config_resetstat()
         await workload.claim_cycles(claimer, harness, stream, group, cycles)
-        stats = _stat_bases(await harness.info("commandstats"))
+        stats = stat_bases(await harness.info("commandstats"))
     finally:
         await client.aclose()
         await harness.aclose()
@@ -60,7 +60,7 @@ async def measure_variant(
     for base, (calls, usec) in stats.items():
         outer = commands.outer_base.get(base, 0)
         nested = commands.nested_base.get(base, 0)
-        if base in _HARNESS or not calls or outer + nested == 0:
+        if base in HARNESS_COMMANDS or not calls or outer + nested == 0:
             continue
         if outer:
             outer_usec[base] = usec * outer / (outer + nested) / cycles

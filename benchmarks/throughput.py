@@ -115,13 +115,13 @@ async def _consume(
             await asyncio.sleep(0.002)
         raise RuntimeError(f"{kind}: messages still pending 30 s after running")
     finally:
-        await _stop(finish, listener)
+        await stop_receiver(finish, listener)
         await asyncio.wait_for(broker.shutdown(), 15)
         await admin.delete(queue)
         await admin.aclose()
 
 
-async def _stop(finish: asyncio.Event, listener: asyncio.Task[None]) -> None:
+async def stop_receiver(finish: asyncio.Event, listener: asyncio.Task[None]) -> None:
     """Let the receiver finish; cancel it if it will not; never wait unbounded."""
     finish.set()
     done, _ = await asyncio.wait({listener}, timeout=5)

@@ -1,32 +1,60 @@
 """The benchmark suite runs end to end and writes figures of the right shape.
 
 One run of ``python -m benchmarks --smoke`` (every part, briefly: ``--quick``
-takes about two minutes) in a subprocess; the test checks the JSON's keys,
-rows and signs, never its timings, which belong to the machine.
+takes a few minutes) in a subprocess; the test checks the JSON's keys, rows
+and signs, never its timings, which belong to the machine. The run has no
+``--plot``, and matplotlib is made unimportable for it: only ``--plot`` may
+need it. The plot is then drawn from the saved JSON, where matplotlib is
+installed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"atomic", "plain_lock", "bare_xautoclaim", "upstream_1_2_4"}
+_NO_MATPLOTLIB = 'raise ImportError("matplotlib imported by a run without --plot")\n'
 
 
-def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(out)],
+def _without_matplotlib(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import matplotlib`` fails, children included."""
+    blocker = tmp_path / "blocker" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(_NO_MATPLOTLIB)
+    path = os.pathsep.join(
+        p for p in (str(blocker.parent), os.environ.get("PYTHONPATH")) if p
+    )
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def _bench(
+    *args: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
         cwd=REPO,
         check=False,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = _bench(
+        "--smoke", "--json", str(out), timeout=600, env=_without_matplotlib(tmp_path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "matplotlib" not in done.stderr
     results = json.loads(out.read_text())
 
     for key in (
@@ -38,6 +66,8 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "scale",
         "e2e",
         "throughput",
+        "mass_recovery",
+        "fleet_idle",
         "targets",
     ):
         assert results.get(key), f"missing or empty: {key}"
@@ -85,8 +115,59 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "upstream_1_2_4",
     }
     assert all(row["messages_per_s"] > 0 for row in results["throughput"])
+    mass = results["mass_recovery"]
+    assert {row["broker"] for row in mass} == {
+        "atomic",
+        "atomic_batch_10000",
+        "upstream_1_2_4",
+    }
+    for row in mass:
+        assert row["orphans"] > 0 and row["floor_s"] > 0
+        assert row["drain_s"] is None or row["drain_s"] > 0
+        assert 0 <= row["orphans_left"] <= row["orphans"]
+        assert (row["drain_s"] is None) == (row["orphans_left"] > 0)
+        assert row["new_kicked"] > 0
+        assert 0 <= row["new_censored"] <= row["new_kicked"]
+        assert row["new_wait_p99_s"] >= row["new_wait_p50_s"] >= 0
+    idle = results["fleet_idle"]
+    assert {row["broker"] for row in idle} == {"atomic", "upstream_1_2_4"}
+    for row in idle:
+        assert row["workers"] >= 1 and row["streams"] >= 1
+        assert row["with_nested_per_s"] >= row["commands_per_s"] >= 0
+        assert row["server_usec_per_s"] >= 0
+    # The atomic broker claims on its own schedule, so even idle it sends
+    # scripts: MONITOR must have told them from their nested commands.
+    atomic_idle = next(row for row in idle if row["broker"] == "atomic")
+    assert atomic_idle["monitor_outer"] and atomic_idle["monitor_nested"]
+
+    targets = {target["target"]: target for target in results["targets"]}
     assert all(
         target["result"] in ("PASS", "MISS", "not measured")
-        for target in results["targets"]
+        for target in targets.values()
     )
-    assert (tmp_path / "claim_latency.png").stat().st_size > 0
+    for name in (
+        "atomic / bare_xautoclaim server us per claim cycle",
+        "mass recovery: drain time / execution floor (defaults)",
+        "mass recovery: new-task p99 wait, s (defaults)",
+    ):
+        assert name in targets
+    assert any(name.startswith("idle fleet") for name in targets)
+    assert not list(tmp_path.glob("*.png")), "a plot was drawn without --plot"
+
+
+def test_plot_is_drawn_when_asked(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra is not installed")
+    # A saved full run: reprinted and redrawn, nothing measured.
+    saved = REPO / "benchmarks" / "full_run.json"
+    plot = tmp_path / "latency.png"
+    done = _bench("--from-json", str(saved), "--plot", str(plot), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert plot.stat().st_size > 0
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) -> None:
+    done = _bench(
+        "--plot", str(tmp_path / "x.png"), timeout=60, env=_without_matplotlib(tmp_path)
+    )
+    assert done.returncode == 2
+    assert "--plot needs matplotlib" in done.stderr
