@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return _from_json(args)
+    try:
+        binary = choose_binary(args.server)
+    except ServerAbsentError as absent:
+        print(f"skipped: {absent}", file=sys.stderr)
+        return 0
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     safety.install()
     started = time.monotonic()
@@ -194,11 +199,6 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    try:
-        binary = choose_binary(args.server)
-    except ServerAbsentError as absent:
-        print(f"skipped: {absent}", file=sys.stderr)
-        return 0
     results: dict[str, Any] = {
         "mode": mode.name,
         "command": " ".join(["python -m benchmarks", *argv]),

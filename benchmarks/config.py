@@ -184,10 +184,13 @@ class Mode:
     mass_task_s: float = 1.0
     mass_new_per_s: float = 20.0
     mass_cap_s: float = 300.0
+    # The large-batch fleet's unacknowledged_batch_size: half the orphans,
+    # so two workers hoard them all, as 10,000 of 20,000 does in full runs.
+    mass_large_batch: int = 10_000
     # Idle fleet cost (part 3): (workers, streams, idle_timeout ms or None for
     # the brokers' default), each idle for fleet_idle_s; fleet_monitor_s of
-    # MONITOR afterwards tells top-level from nested commands (longer than a
-    # claim interval, 1 s by default today, or it may see no script run).
+    # MONITOR from the workers' start tells top-level from nested commands
+    # (each broker claims and reads once at once; a longer window sees more).
     fleet_shapes: tuple[tuple[int, int, int | None], ...] = (
         (50, 10, None),
         (10, 1, 60_000),
@@ -227,6 +230,7 @@ QUICK = Mode(
     mass_slots=20,
     mass_task_s=0.1,
     mass_cap_s=45.0,
+    mass_large_batch=1000,
     fleet_shapes=((10, 2, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
@@ -265,8 +269,9 @@ SMOKE = Mode(
     mass_task_s=0.05,
     mass_new_per_s=20.0,
     mass_cap_s=10.0,
+    mass_large_batch=1000,
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
-    fleet_monitor_s=2.2,
+    fleet_monitor_s=0.6,
 )
 MODES = {mode.name: mode for mode in (FULL, QUICK, SMOKE)}

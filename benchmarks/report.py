@@ -249,7 +249,8 @@ def _mass_targets(rows: list[Row]) -> list[Row]:
     "reclaims as fast as it can execute" and "new messages keep flowing"."""
     mine = _find(rows, broker="atomic")
     others = "; ".join(
-        f"{r['broker']}: drain {_drain(r)}, new p99 {_fmt(r['new_wait_p99_s'])} s"
+        f"{r['broker']}{_batch(r)}: drain {_drain(r)}, new p99"
+        f" {_fmt(r['new_wait_p99_s'])} s"
         for r in rows
         if r["broker"] != "atomic"
     )
@@ -286,6 +287,11 @@ def _mass_targets(rows: list[Row]) -> list[Row]:
             f" {_fmt(mine['new_per_s'])}/s, {mine['new_censored']} never started",
         ),
     ]
+
+
+def _batch(row: Row) -> str:
+    batch = row["settings"].get("unacknowledged_batch_size")
+    return f" (batch {batch})" if batch else ""
 
 
 def _drain(row: Row) -> str:
@@ -561,7 +567,7 @@ def render(results: dict[str, Any]) -> str:
                 ],
                 (
                     [
-                        r["broker"],
+                        r["broker"] + _batch(r),
                         r["orphans"],
                         f"{r['workers']}x{r['slots']}",
                         r["task_s"],
@@ -603,7 +609,9 @@ def render(results: dict[str, Any]) -> str:
                         r["commands_per_s"],
                         r["with_nested_per_s"],
                         r["server_usec_per_s"],
-                        _counts(r["calls_per_s"]),
+                        " ".join(
+                            f"{name} {_fmt(n)}" for name, n in r["calls_per_s"].items()
+                        ),
                     ]
                     for r in results["fleet_idle"]
                 ),

@@ -118,7 +118,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     mass = results["mass_recovery"]
     assert {row["broker"] for row in mass} == {
         "atomic",
-        "atomic_batch_10000",
+        "atomic_large_batch",
         "upstream_1_2_4",
     }
     for row in mass:
@@ -171,3 +171,30 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "--plot needs matplotlib" in done.stderr
+
+
+def test_a_named_build_that_is_absent_skips_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import cli  # noqa: PLC0415
+
+    monkeypatch.setattr(cli, "BUILT_SERVERS", tmp_path)
+    assert cli.main(["--server", "redis-8.6.3", "--smoke"]) == 0
+    said = capsys.readouterr().err
+    assert "skipped" in said
+    assert str(tmp_path / "redis-8.6.3" / "redis-server") in said
+
+
+def test_a_named_build_that_is_present_is_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import cli  # noqa: PLC0415
+
+    built = tmp_path / "redis-8.6.3" / "redis-server"
+    built.parent.mkdir()
+    # Stands in for the binary only as far as --version: nothing is started.
+    built.write_text("#!/bin/sh\necho 'Redis server v=8.6.3 sha=00000000:0'\n")
+    built.chmod(0o755)
+    monkeypatch.setattr(cli, "BUILT_SERVERS", tmp_path)
+    binary = cli.choose_binary("redis-8.6.3")
+    assert (binary.label, binary.path) == ("redis-8.6.3", built)
