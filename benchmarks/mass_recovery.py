@@ -18,9 +18,10 @@ dead consumer) so they are past any idle_timeout at once and the brokers keep
 their default idle_timeout (10 minutes) without the run waiting it out.
 
 Figures per broker: ``drain_s``, from the workers' start until every orphan
-has started running once (None if the time bound cut it short, with
-``orphans_left``); ``new_wait_p50_s``/``new_wait_p99_s``, kick to start of
-the new tasks kicked until the drain ended; new tasks still not started when
+has run once to its end (None if the time bound cut it short, with
+``orphans_left`` not run to the end; ``last_orphan_started_s`` beside it);
+``new_wait_p50_s``/``new_wait_p99_s``, kick to start of the new tasks kicked
+until the drain ended; new tasks still not started when
 the run gave up count with their wait so far (``new_censored``: then the
 figures are lower bounds). ``floor_s`` is what the fleet's slots allow:
 orphans x task_s / (workers x slots).
@@ -99,6 +100,7 @@ class Record:
 
     orphans: int
     orphan_started: dict[int, float] = field(default_factory=dict)
+    orphan_finished: dict[int, float] = field(default_factory=dict)
     orphan_runs: int = 0
     new_kicked: dict[int, float] = field(default_factory=dict)
     new_started: dict[int, float] = field(default_factory=dict)
@@ -187,15 +189,17 @@ async def run_fleet(url: str, fleet: Fleet, mode: Mode, log: Any) -> dict[str, A
 
     async def work(kind: str, number: int) -> None:
         now = time.monotonic()
-        if kind == "orphan":
-            record.orphan_runs += 1
-            record.orphan_started.setdefault(number, now)
-            if len(record.orphan_started) >= record.orphans:
-                record.all_orphans_ran.set()
-        else:
+        if kind != "orphan":
             record.new_started.setdefault(number, now)
             record.check_new()
+            await asyncio.sleep(mode.mass_task_s)
+            return
+        record.orphan_runs += 1
+        record.orphan_started.setdefault(number, now)
         await asyncio.sleep(mode.mass_task_s)
+        record.orphan_finished.setdefault(number, time.monotonic())
+        if len(record.orphan_finished) >= record.orphans:
+            record.all_orphans_ran.set()
 
     listeners: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
     try:
@@ -257,9 +261,14 @@ async def run_fleet(url: str, fleet: Fleet, mode: Mode, log: Any) -> dict[str, A
         "cap_s": mode.mass_cap_s,
         "floor_s": round(floor, 2),
         "drain_s": (
+            round(max(record.orphan_finished.values()) - started, 2)
+            if drained
+            else None
+        ),
+        "last_orphan_started_s": (
             round(max(record.orphan_started.values()) - started, 2) if drained else None
         ),
-        "orphans_left": mode.mass_orphans - len(record.orphan_started),
+        "orphans_left": mode.mass_orphans - len(record.orphan_finished),
         # Runs beyond the first of an orphan: none expected while workers live.
         "orphan_reruns": record.orphan_runs - len(record.orphan_started),
         "new_kicked": len(record.new_kicked),
