@@ -184,9 +184,6 @@ class Mode:
     mass_task_s: float = 1.0
     mass_new_per_s: float = 20.0
     mass_cap_s: float = 300.0
-    # The large-batch fleet's unacknowledged_batch_size: half the orphans,
-    # so two workers hoard them all, as 10,000 of 20,000 does in full runs.
-    mass_large_batch: int = 10_000
     # Idle fleet cost (part 3): (workers, streams, idle_timeout ms or None for
     # the brokers' default), each idle for fleet_idle_s; fleet_monitor_s of
     # MONITOR from the workers' start tells top-level from nested commands
@@ -203,6 +200,15 @@ class Mode:
 
     def claimers_for(self, regime: str) -> tuple[int, ...]:
         return self.regime_claimers.get(regime, self.claimers)
+
+    @property
+    def mass_large_batch(self) -> int:
+        """The large-batch fleet's unacknowledged_batch_size: one worker's
+        share of the orphans, so within a few claims every worker holds a
+        hoard and none is left to read new tasks: the case issue 14 measured
+        (10,000 of 200k). 10,000 of 20k would leave two of four workers free
+        to take every new task."""
+        return max(1, self.mass_orphans // self.mass_workers)
 
 
 FULL = Mode("full")
@@ -225,12 +231,11 @@ QUICK = Mode(
     throughput_messages=2000,
     throughput_reps=2,
     mass_orphans=2000,
-    # Fewer slots than a default worker, so the drain, not the claim
-    # cadence alone, takes seconds (floor 2.5 s).
-    mass_slots=20,
+    # With 0.1 s tasks, 10 slots run 100 tasks/s per worker, as a default
+    # worker's 100 slots do with the full run's 1 s tasks (floor 5 s).
+    mass_slots=10,
     mass_task_s=0.1,
     mass_cap_s=45.0,
-    mass_large_batch=1000,
     fleet_shapes=((10, 2, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
@@ -262,14 +267,13 @@ SMOKE = Mode(
     e2e_claim_interval=250,
     throughput_messages=300,
     throughput_reps=1,
-    mass_orphans=200,
+    mass_orphans=300,
     mass_dead=3,
     mass_workers=2,
     mass_slots=10,
     mass_task_s=0.05,
     mass_new_per_s=20.0,
     mass_cap_s=10.0,
-    mass_large_batch=1000,
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
     fleet_monitor_s=0.6,

@@ -81,8 +81,8 @@ def _upstream(url: str, queue: str, consumer: str) -> AsyncBroker:
 
 
 def fleets(large_batch: int) -> tuple[Fleet, ...]:
-    """Defaults; a batch large enough for a few workers to hoard the backlog
-    (as issue 14 measured with 10,000); taskiq-redis 1.2.4 at defaults."""
+    """Defaults; a batch big enough for every worker to hoard a share of the
+    backlog (``Mode.mass_large_batch``); taskiq-redis 1.2.4 at defaults."""
     return (
         Fleet("atomic", _atomic(), {"defaults": True}),
         Fleet(
