@@ -39,6 +39,7 @@ from tests.conftest import (
     SUITE_STREAMS,
     WORKER_USER,
     Server,
+    acl_log_entries,
     with_user,
 )
 
@@ -59,9 +60,9 @@ async def set_user(redis: Redis, rule: list[str]) -> None:
 
 async def refused(redis: Redis) -> list[str]:
     return [
-        entry[b"object"].decode()
-        for entry in await redis.execute_command("ACL", "LOG")
-        if entry[b"username"].decode() == USER
+        entry["object"]
+        for entry in acl_log_entries(await redis.execute_command("ACL", "LOG"))
+        if entry["username"] == USER
     ]
 
 
