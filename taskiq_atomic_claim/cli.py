@@ -492,18 +492,30 @@ async def _acl(
     group: str,
     user: str,
     reload: bool,
+    result_backend_prefix: str | None = None,
 ) -> int:
     if options is not None:
         async with connect(options) as client:
             version = await server_version(client)
     version = version or "7.2"
     try:
-        rule = worker_acl_rule(streams, group, version, reload=reload)
+        rule = worker_acl_rule(
+            streams,
+            group,
+            version,
+            reload=reload,
+            result_backend_prefix=result_backend_prefix,
+        )
     except ValueError as error:
         raise CommandError(str(error)) from None
+    results = (
+        f", results under {result_backend_prefix + ':'!r}"
+        if result_backend_prefix is not None
+        else ""
+    )
     print(
-        f"# a worker of queue {streams[0]!r}, group {group!r} on a {version} server;"
-        " replace CHANGE-ME with its password"
+        f"# a worker of queue {streams[0]!r}, group {group!r}{results} on a"
+        f" {version} server; replace CHANGE-ME with its password"
     )
     words = ["ACL", "SETUSER", user, "reset", "on", ">CHANGE-ME", *rule]
     print(" ".join(_cli_argument(word) for word in words))
@@ -711,6 +723,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     acl.add_argument("--user", type=_name("--user"), default="taskiq-worker")
     acl.add_argument(
+        "--result-backend-prefix",
+        metavar="PREFIX",
+        help="also the keys and commands of taskiq-redis's RedisAsyncResultBackend"
+        " with this prefix_str",
+    )
+    acl.add_argument(
         "--no-reload",
         action="store_true",
         help="leave out FUNCTION LOAD / SCRIPT LOAD: run `load` after every"
@@ -783,6 +801,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.group,
                 args.user,
                 not args.no_reload,
+                args.result_backend_prefix,
             )
         )
     return asyncio.run(_SERVER_COMMANDS[args.command](args))
