@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 # The oldest releases .ci/old-stack proves; pyproject.toml says the same.
-MINIMUM = {"redis": (7, 0), "taskiq": (0, 12), "taskiq-redis": (1, 2, 2)}
+MINIMUM = {"redis": (7, 2), "taskiq": (0, 12), "taskiq-redis": (1, 2, 2)}
 # The first taskiq-redis release that imports under taskiq 0.13.
 TASKIQ_013_NEEDS = (1, 2, 3)
 

@@ -16,7 +16,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.compat import MINIMUM, stack_problems
 from tests.conftest import Server
 
-OLDEST = {"redis": "7.0.0", "taskiq": "0.12.6", "taskiq-redis": "1.2.2"}
+OLDEST = {"redis": "7.2.0", "taskiq": "0.12.6", "taskiq-redis": "1.2.2"}
 NEWEST = {"redis": "8.1.0", "taskiq": "0.13.0", "taskiq-redis": "1.2.4"}
 
 
@@ -40,7 +40,7 @@ def test_taskiq_redis_1_2_2_under_taskiq_0_13_is_refused() -> None:
 def test_every_old_or_missing_dependency_is_named() -> None:
     problems = stack_problems({"redis": "6.4.0", "taskiq": "0.11.20"})
     assert problems == [
-        "needs redis>=7.0, found redis 6.4.0",
+        "needs redis>=7.2, found redis 6.4.0",
         "needs taskiq>=0.12, found taskiq 0.11.20",
         "taskiq-redis is not installed; needs taskiq-redis>=1.2.2",
     ]
