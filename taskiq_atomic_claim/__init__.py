@@ -2,9 +2,14 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
-from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
-from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
+from taskiq_atomic_claim.compat import check_stack
+
+# Before the brokers import taskiq-redis: see compat.
+check_stack()
+
+from taskiq_atomic_claim.broker import AtomicRedisStreamBroker  # noqa: E402
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker  # noqa: E402
+from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker  # noqa: E402
 
 try:
     __version__ = version("taskiq-atomic-claim")

@@ -21,7 +21,14 @@ from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import MovedError, RedisClusterException, RedisError
 
 from taskiq_atomic_claim import __version__
-from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
+from taskiq_atomic_claim.dead_letters import (
+    DeadLetter,
+    dead_letter_ids_of_task,
+    entry_time,
+    list_dead_letters,
+    preview,
+    requeue_dead_letters,
+)
 from taskiq_atomic_claim.doctor import (
     DEFAULT_CONSUMER_IDLE_MS,
     DEFAULT_LOCK_EXPIRY_MS,
@@ -329,6 +336,27 @@ async def _server_of(args: argparse.Namespace, keys: StreamKeys) -> Target:
     return target
 
 
+def _when(entry_id: str) -> str:
+    return f"{entry_time(entry_id):%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _describe(letter: DeadLetter) -> str:
+    """Two lines: what the task was and why and when it died."""
+    task = letter.task()
+    if task is not None:
+        what = f"task {task.name}  id {task.task_id}  args ({preview(task.arguments)})"
+    elif b"data" in letter.fields:
+        what = f"not a taskiq JSON message: {preview(repr(letter.data))}"
+    else:
+        what = f"fields {preview(repr(letter.fields))}"
+    sent = f", sent {_when(letter.original_id)}" if letter.original_id else ""
+    return (
+        f"{letter.id}  {what}\n    {letter.reason} after"
+        f" {plural(letter.deliveries, 'delivery')}; dead since {_when(letter.id)}"
+        f"{sent} (original {letter.original_id or '?'})"
+    )
+
+
 async def _dead_letters(args: argparse.Namespace) -> int:
     keys = StreamKeys(args.queue, args.group)
     async with connect((await _server_of(args, keys)).options) as client:
@@ -338,11 +366,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
         letters = await list_dead_letters(client, keys, args.count)
     print(f"{total} dead letters in {keys.dead_letters}")
     for letter in letters:
-        data = letter.fields.get(b"data", b"")
-        print(
-            f"{letter.id}  original {letter.original_id}  deliveries"
-            f" {letter.deliveries}  reason: {letter.reason}  {len(data)} bytes of data"
-        )
+        print(_describe(letter))
     if total > len(letters):
         print(f"... {total - len(letters)} more (--count)")
     return 0
@@ -352,6 +376,11 @@ async def _requeue(args: argparse.Namespace) -> int:
     keys = StreamKeys(args.queue, args.group)
     ids: list[str] | None = args.ids
     async with connect((await _server_of(args, keys)).options) as client:
+        if args.task is not None:
+            ids = await dead_letter_ids_of_task(client, keys, args.task)
+            if not ids:
+                print(f"no dead letters of task {args.task!r} in {keys.dead_letters}")
+                return 1
         moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
     for old, new in moved:
         print(f"requeued {old} -> {keys.stream} {new}")
@@ -463,18 +492,30 @@ async def _acl(
     group: str,
     user: str,
     reload: bool,
+    result_backend_prefix: str | None = None,
 ) -> int:
     if options is not None:
         async with connect(options) as client:
             version = await server_version(client)
     version = version or "7.2"
     try:
-        rule = worker_acl_rule(streams, group, version, reload=reload)
+        rule = worker_acl_rule(
+            streams,
+            group,
+            version,
+            reload=reload,
+            result_backend_prefix=result_backend_prefix,
+        )
     except ValueError as error:
         raise CommandError(str(error)) from None
+    results = (
+        f", results under {result_backend_prefix + ':'!r}"
+        if result_backend_prefix is not None
+        else ""
+    )
     print(
-        f"# a worker of queue {streams[0]!r}, group {group!r} on a {version} server;"
-        " replace CHANGE-ME with its password"
+        f"# a worker of queue {streams[0]!r}, group {group!r}{results} on a"
+        f" {version} server; replace CHANGE-ME with its password"
     )
     words = ["ACL", "SETUSER", user, "reset", "on", ">CHANGE-ME", *rule]
     print(" ".join(_cli_argument(word) for word in words))
@@ -682,6 +723,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     acl.add_argument("--user", type=_name("--user"), default="taskiq-worker")
     acl.add_argument(
+        "--result-backend-prefix",
+        metavar="PREFIX",
+        help="also the keys and commands of taskiq-redis's RedisAsyncResultBackend"
+        " with this prefix_str",
+    )
+    acl.add_argument(
         "--no-reload",
         action="store_true",
         help="leave out FUNCTION LOAD / SCRIPT LOAD: run `load` after every"
@@ -691,8 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
     dead = commands.add_parser(
         "dead-letters",
         help="list the entries a consumer group gave up on",
-        description="List dead letters: entries delivered more than"
-        " max_deliveries times, or without a data field.",
+        description="List dead letters (entries delivered more than"
+        " max_deliveries times, or without a data field): task name and id,"
+        " the start of the arguments, reason, deliveries, and when.",
     )
     stream_options(dead)
     dead.add_argument("--count", type=_rounds, default=20, help="how many (1..100)")
@@ -700,12 +748,15 @@ def build_parser() -> argparse.ArgumentParser:
     requeue = commands.add_parser(
         "requeue",
         help="put dead letters back on their stream",
-        description="Re-add chosen dead letters (or all) to their stream as new"
-        " entries, atomically per batch.",
+        description="Re-add chosen dead letters (by id, by task name, or all)"
+        " to their stream as new entries, atomically per batch.",
     )
     stream_options(requeue)
     chosen = requeue.add_mutually_exclusive_group(required=True)
     chosen.add_argument("--id", action="append", dest="ids", help="dead letter id")
+    chosen.add_argument(
+        "--task", metavar="NAME", help="every dead letter of this task name"
+    )
     chosen.add_argument("--all", action="store_true", help="every dead letter")
 
     drill = commands.add_parser(
@@ -750,6 +801,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.group,
                 args.user,
                 not args.no_reload,
+                args.result_backend_prefix,
             )
         )
     return asyncio.run(_SERVER_COMMANDS[args.command](args))

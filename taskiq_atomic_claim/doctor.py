@@ -339,6 +339,12 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("pttl", "inside claim: lease lifetime"),
     ("pexpire", "inside claim: bound a lease written without expiry"),
 )
+# taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
+# worker SETs results (with EX/PX when given), whoever waits reads them.
+RESULT_BACKEND_COMMANDS = (
+    ("exists", "result backend: is_result_ready"),
+    ("getdel", "result backend: get_result with keep_results=False"),
+)
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
 # redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
@@ -369,6 +375,10 @@ Commands: -@all, then
   and, optional, so redis-py's connect is not logged as refused in ACL LOG:
     Redis 6.2:          +client|setinfo +client|maint_notifications
     Redis >= 7.2/Valkey: +client|setinfo
+With taskiq-redis's RedisAsyncResultBackend(prefix_str=P) (acl
+--result-backend-prefix P), for the worker and whoever waits for results:
+    ~P:*  (its keys: P:<task id> and P:<task id>__progress)
+    +exists +getdel
 Scripts run with the caller's ACL, so the commands they issue are listed too.
 Without +function|load / +script|load a worker cannot reload a lost library:
 then run `taskiq-atomic-claim load` after every restart or flush.
@@ -410,7 +420,11 @@ def _version(server_version: str) -> tuple[int, int]:
 
 
 def worker_commands(
-    server_version: str, *, reload: bool = True, handshake: bool = True
+    server_version: str,
+    *,
+    reload: bool = True,
+    handshake: bool = True,
+    result_backend: bool = False,
 ) -> list[str]:
     """``+command`` rules for a server of that version (``INFO`` redis_version)."""
     major, minor = _version(server_version)
@@ -418,6 +432,8 @@ def worker_commands(
     names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
     if reload:
         names.append(calls[1][0])
+    if result_backend:
+        names += [name for name, _ in RESULT_BACKEND_COMMANDS]
     if handshake and major < 7:
         names += HANDSHAKE_62
     elif handshake and (major, minor) >= (7, 2):
@@ -433,15 +449,33 @@ def worker_acl_rule(
     reload: bool = True,
     handshake: bool = True,
     literal: bool = True,
+    result_backend_prefix: str | None = None,
 ) -> list[str]:
     """The ACL SETUSER rules (after the user's name and password) for a worker
     reading ``streams`` (queue_name first, then additional_streams) as
-    ``group``; see ``WORKER_ACL``."""
+    ``group``, and writing results under ``result_backend_prefix`` (the
+    result backend's ``prefix_str``); see ``WORKER_ACL``."""
     if not streams:
         raise ValueError("streams must name at least the queue")
+    if result_backend_prefix == "":
+        raise ValueError(
+            "result_backend_prefix must not be empty: without a prefix_str the"
+            " result backend's keys are bare task ids, which no rule can scope"
+        )
+    results = (
+        [f"~{acl_pattern(result_backend_prefix)}:*"]
+        if result_backend_prefix is not None
+        else []
+    )
     return [
         "resetchannels",
         *worker_key_patterns(streams, group, literal=literal),
+        *results,
         "-@all",
-        *worker_commands(server_version, reload=reload, handshake=handshake),
+        *worker_commands(
+            server_version,
+            reload=reload,
+            handshake=handshake,
+            result_backend=result_backend_prefix is not None,
+        ),
     ]

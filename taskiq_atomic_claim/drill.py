@@ -48,6 +48,8 @@ class DrillReport:
     broker: str
     idle_timeout: int
     claim_interval: int
+    # What ran it, as the server names itself ("Valkey 8.1.8").
+    server: str = "unknown server"
     rounds: list[DrillRound] = field(default_factory=list)
 
     @property
@@ -65,7 +67,7 @@ class DrillReport:
             else f"AtomicRedisStreamBroker, claim interval {self.claim_interval} ms"
         )
         head = (
-            f"{setting}, idle_timeout {self.idle_timeout} ms:"
+            f"{setting}, idle_timeout {self.idle_timeout} ms, on {self.server}:"
             f" recovered {self.recovered}/{len(self.rounds)}"
         )
         if not times:
@@ -74,6 +76,15 @@ class DrillReport:
             f"{head}; SIGKILL -> rerun median {statistics.median(times):.2f} s,"
             f" max {max(times):.2f} s"
         )
+
+
+async def server_name(client: Redis) -> str:
+    """ "Redis 7.0.15" or "Valkey 8.1.8": Valkey reports its own version in
+    ``valkey_version`` (``redis_version`` is what it is compatible with)."""
+    info = await client.info("server")
+    if "valkey_version" in info:
+        return f"Valkey {info['valkey_version']}"
+    return f"Redis {info.get('redis_version', '(version unknown)')}"
 
 
 def _taskiq_command() -> list[str]:
@@ -270,6 +281,7 @@ async def drill_queue(
         # The group must exist before the first kick: a worker's startup
         # creates it at "$", which would skip a message sent just before.
         await client.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        drill.report.server = await server_name(client)
         yield drill
     finally:
         keys = StreamKeys(queue, "taskiq")

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from taskiq import AckableMessage
+from taskiq import AckableMessage, AsyncTaskiqDecoratedTask, TaskiqFormatter
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.compat import RECEIVER_ACKS_WHAT_IT_SKIPS
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
@@ -91,7 +92,13 @@ class ReclaimingListener:
     additional_streams: dict[str, str | int]
     block: int
     count: int | None
+    formatter: TaskiqFormatter
+    is_worker_process: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
+
+        def find_task(
+            self, task_name: str
+        ) -> AsyncTaskiqDecoratedTask[Any, Any] | None: ...
 
         def _ack_generator(
             self, id: str, queue_name: str
@@ -265,7 +272,25 @@ class ReclaimingListener:
                 keys.dead_letters,
             )
             return None
+        if not RECEIVER_ACKS_WHAT_IT_SKIPS and not self._runnable(data):
+            # taskiq 0.12's receiver will skip it without an ack: heartbeating
+            # it would keep it pending here forever. Left to turn idle, it is
+            # reclaimed (perhaps by a worker that knows the task) and, past
+            # max_deliveries, dead-lettered.
+            self.in_flight.get(stream, set()).discard(entry_id)
         return AckableMessage(data=data, ack=self._tracked_ack(stream, entry_id))
+
+    def _runnable(self, data: bytes) -> bool:
+        """Whether this process's receiver can run the message (only a worker
+        process's receiver takes what ``listen`` yields)."""
+        if not self.is_worker_process:
+            return True
+        try:
+            message = self.formatter.loads(data)
+            message.parse_labels()
+        except Exception:  # the receiver's own test: anything it raises
+            return False
+        return self.find_task(message.task_name) is not None
 
     def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
         ack = self._ack_generator(id=entry_id, queue_name=stream)

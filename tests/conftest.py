@@ -27,6 +27,7 @@ import os
 from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -204,13 +205,34 @@ def server_process(
         yield Server(kind, local.url, local)
 
 
+def acl_log_entries(reply: list[Any]) -> list[dict[str, str]]:
+    """A raw ``ACL LOG`` reply as text maps, whichever shape it came in:
+    maps over RESP3 (redis-py 8's default), flat key-value lists over RESP2
+    (redis-py 7)."""
+
+    def text(value: object) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    return [
+        {
+            text(key): text(value)
+            for key, value in (
+                entry.items()
+                if isinstance(entry, dict)
+                else zip(entry[::2], entry[1::2], strict=True)
+            )
+        }
+        for entry in reply
+    ]
+
+
 def _refused(admin_url: str) -> list[str]:
     with sync_redis.Redis.from_url(admin_url) as admin:
-        entries = admin.execute_command("ACL", "LOG")
+        entries = acl_log_entries(admin.execute_command("ACL", "LOG"))
     return [
-        f"{entry[b'reason'].decode()} {entry[b'object'].decode()!r}"
-        for entry in (dict(e) if isinstance(e, dict) else e for e in entries)
-        if entry[b"username"].decode() == WORKER_USER
+        f"{entry['reason']} {entry['object']!r}"
+        for entry in entries
+        if entry["username"] == WORKER_USER
     ]
 
 

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, RedisError
+from taskiq.api import run_receiver_task
 from taskiq.message import BrokerMessage
+from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.claim import claim_idle_entries
@@ -39,6 +41,7 @@ from tests.conftest import (
     SUITE_STREAMS,
     WORKER_USER,
     Server,
+    acl_log_entries,
     with_user,
 )
 
@@ -59,9 +62,9 @@ async def set_user(redis: Redis, rule: list[str]) -> None:
 
 async def refused(redis: Redis) -> list[str]:
     return [
-        entry[b"object"].decode()
-        for entry in await redis.execute_command("ACL", "LOG")
-        if entry[b"username"].decode() == USER
+        entry["object"]
+        for entry in acl_log_entries(await redis.execute_command("ACL", "LOG"))
+        if entry["username"] == USER
     ]
 
 
@@ -318,7 +321,54 @@ async def test_the_suite_runs_workers_as_the_documented_rule(
 
 def test_the_documented_rule_is_the_one_the_code_makes() -> None:
     for version in ("6.2", "7.0", "7.2"):
-        for command in worker_commands(version):
+        for command in worker_commands(version, result_backend=True):
             assert command in WORKER_ACL, (version, command)
     for pattern in worker_key_patterns(["S"], "G"):
         assert pattern in WORKER_ACL
+
+
+async def test_a_worker_with_a_result_backend_runs_under_the_printed_rule(
+    server: Server, redis: Redis
+) -> None:
+    prefix = "app-results"
+    printed = acl_command(
+        "--url", server.url, "--queue", QUEUE, "--group", GROUP, "--user", USER,
+        "--result-backend-prefix", prefix,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    words = printed.stdout.splitlines()[1].split()
+    words[5] = f">{PASSWORD}"
+    await redis.execute_command(*words)
+    await redis.execute_command("ACL", "LOG", "RESET")
+    url = with_user(server.url, USER, PASSWORD)
+    broker = AtomicRedisStreamBroker(
+        url, queue_name=QUEUE, consumer_group_name=GROUP, xread_block=100
+    ).with_result_backend(
+        RedisAsyncResultBackend(url, prefix_str=prefix, result_ex_time=60)
+    )
+
+    @broker.task(task_name="add")
+    async def add(a: int, b: int) -> int:
+        return a + b
+
+    await broker.startup()
+    # What `taskiq worker` runs: the receiver on the broker's listen().
+    worker = asyncio.create_task(run_receiver_task(broker))
+    try:
+        sent = await add.kiq(1, 2)
+        result = await sent.wait_result(timeout=10)
+        assert result.return_value == 3
+        assert await sent.is_ready()
+        assert await redis.exists(f"{prefix}:{sent.task_id}") == 1
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        await broker.shutdown()
+    assert await refused(redis) == []
+
+
+def test_the_result_backend_prefix_cannot_be_empty() -> None:
+    printed = acl_command("--result-backend-prefix", "")
+    assert printed.returncode == 2
+    assert "result_backend_prefix must not be empty" in printed.stderr

@@ -33,6 +33,10 @@ async def test_killed_workers_task_runs_again_on_an_idle_queue(
     )
     [result] = report.rounds
     assert result.recovered, report.summary()
+    if server.local is not None:  # a server whose binary the suite knows
+        binary = server.local.binary
+        named = {"redis": "Redis", "valkey": "Valkey"}[binary.flavor]
+        assert f", on {named} {binary.version}: recovered" in report.summary()
     assert result.kill_to_rerun_s is not None
     assert result.kill_to_rerun_s <= BOUND_S, report.summary()
     # The drill cleans up after itself; nothing of it is left pending.

@@ -5,15 +5,23 @@ from __future__ import annotations
 import asyncio
 
 from redis.asyncio import Redis
+from taskiq import TaskiqMessage
+from taskiq.formatters.json_formatter import JSONFormatter
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.dead_letters import list_dead_letters, requeue_dead_letters
+from taskiq_atomic_claim.dead_letters import (
+    entry_time,
+    list_dead_letters,
+    move_to_dead_letters,
+    requeue_dead_letters,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server
+from tests.test_cli import cli
 
 STREAM, GROUP = "jobs", "workers"
 KEYS = StreamKeys(STREAM, GROUP)
@@ -119,3 +127,61 @@ async def test_broker_dead_letters_entries_without_data(
         assert broker.metrics.snapshot()["dead_lettered"] == 1
     finally:
         await broker.shutdown()
+
+
+async def dead_letter(redis: Redis, data: bytes, field: str = "data") -> str:
+    """``data`` sent, delivered, and moved to the dead letters by the script."""
+    entry_id = (await redis.xadd(STREAM, {field: data})).decode()
+    await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
+    await move_to_dead_letters(
+        ScriptRunner(), redis, KEYS, entry_id, "max_deliveries exceeded"
+    )
+    return entry_id
+
+
+def call(task_name: str, task_id: str, *args: object, **kwargs: object) -> bytes:
+    message = TaskiqMessage(
+        task_id=task_id, task_name=task_name, labels={}, args=list(args), kwargs=kwargs
+    )
+    return JSONFormatter().dumps(message).message
+
+
+async def test_the_dead_letters_command_shows_what_a_person_decides_on(
+    server: Server, redis: Redis
+) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    sent = await dead_letter(redis, call("app.tasks:resize", "id-1", 42, size="x" * 99))
+    await dead_letter(redis, b"\x00poison")
+    await dead_letter(redis, b"someone else", field="written-by")
+    listed = cli(
+        "dead-letters", "--url", server.admin_url, "--queue", STREAM, "--group", GROUP
+    )
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0] == f"3 dead letters in {KEYS.dead_letters}"
+    sent_at = f"{entry_time(sent):%Y-%m-%d %H:%M:%S} UTC"
+    assert "task app.tasks:resize  id id-1  args (42, size='xxxxxxxxx" in lines[1]
+    assert lines[1].endswith("...)"), "long arguments are cut"
+    assert "max_deliveries exceeded after 1 delivery; dead since 20" in lines[2]
+    assert f"sent {sent_at} (original {sent})" in lines[2]
+    assert "not a taskiq JSON message: b'\\x00poison'" in lines[3]
+    assert "fields {b'written-by': b'someone else'}" in lines[5]
+
+
+async def test_requeue_by_task_name_moves_only_that_task(
+    server: Server, redis: Redis
+) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    await dead_letter(redis, call("app:a", "a-1"))
+    await dead_letter(redis, call("app:b", "b-1"))
+    await dead_letter(redis, b"not json")
+    await dead_letter(redis, call("app:a", "a-2"))
+    where = ("--url", server.admin_url, "--queue", STREAM, "--group", GROUP)
+    moved = cli("requeue", *where, "--task", "app:a")
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout.splitlines()[-1] == f"2 requeued to {STREAM}"
+    left = [letter.task() for letter in await list_dead_letters(redis, KEYS)]
+    assert [task.name if task else None for task in left] == ["app:b", None]
+    none_left = cli("requeue", *where, "--task", "app:a")
+    assert none_left.returncode == 1
+    assert "no dead letters of task 'app:a'" in none_left.stdout
