@@ -2,7 +2,8 @@
 
 Each fault is real: the server is put out of memory (``maxmemory 1`` with
 ``noeviction``), demoted (``REPLICAOF`` a master that does not answer, so it
-keeps its data and refuses writes), stopped, or cut off by a loopback proxy
+keeps its data and refuses writes), kept busy by a long script (BUSY),
+stopped, or cut off by a loopback proxy
 that stops forwarding while holding its connections open (a half-open TCP
 connection). Faults go through the admin connection (the ``redis`` fixture);
 the workers log in as the restricted worker user.
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from taskiq import AckableMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
@@ -71,7 +73,31 @@ async def read_only(redis: Redis) -> AsyncIterator[None]:
         await redis.replicaof("NO", "ONE")
 
 
-FAULTS = {"oom": out_of_memory, "readonly": read_only}
+# Counts until SCRIPT KILL: it writes nothing, so it can be killed.
+_BUSY_LOOP = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + 1 end return n"
+
+
+@contextlib.asynccontextmanager
+async def busy(redis: Redis) -> AsyncIterator[None]:
+    """A script runs past lua-time-limit: other clients get BUSY."""
+    saved = await redis.config_get("lua-time-limit")
+    await redis.config_set("lua-time-limit", 100)
+    # On a connection of its own from the pool; SCRIPT KILL on another.
+    script = asyncio.ensure_future(redis.eval(_BUSY_LOOP, 0, 10**12))
+    try:
+        yield
+    finally:
+        for _ in range(50):
+            with contextlib.suppress(ResponseError):  # NOTBUSY: not started yet
+                await redis.script_kill()
+                break
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(ResponseError):  # "Script killed by user"
+            await script
+        await redis.config_set("lua-time-limit", str(saved["lua-time-limit"]))
+
+
+FAULTS = {"oom": out_of_memory, "readonly": read_only, "busy": busy}
 
 
 def outage_lines(caplog: pytest.LogCaptureFixture, who: str) -> list[str]:
@@ -187,12 +213,15 @@ async def test_the_heartbeat_survives_an_error_reply(
 async def test_out_of_memory_does_not_end_listen(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # (BUSY is not tried here: a read blocked when a script starts stays
+    # blocked until it ends; the heartbeat test meets BUSY.)
     await skip_unless_oom_refuses_scripts(redis)
     broker = await workers.start(consumer_name="worker")
     nxt = workers.next_message(broker)
     await asyncio.sleep(0.3)
     caplog.set_level(logging.WARNING, LOGGER)
     async with out_of_memory(redis):
+        await until_logged(caplog, "consumer worker")
         await asyncio.sleep(FAULT_S)
         assert not nxt.done(), nxt.exception()
     await kicked_and_received(broker, nxt, "after-oom")
