@@ -15,8 +15,8 @@ which stands between the loop and redis-py's ``RedisCluster`` because:
 - XREADGROUP over streams in different slots is CROSSSLOT (the parent sends
   it anyway): streams are read per slot, concurrently;
 - a topology change shows up as CLUSTERDOWN, TRYAGAIN, an uncovered slot or
-  a node that cannot be reached; the loop should wait it out like an
-  outage, not stop, so those are raised as ``ConnectionError``.
+  a node that cannot be reached; ``server_errors.classify`` calls those an
+  outage, so the loop waits them out instead of stopping.
 
 Every key a script touches carries its stream's hash slot (``keys.py``); the
 constructor checks that for every stream.
@@ -33,28 +33,25 @@ from typing import Any
 from redis.asyncio import RedisCluster
 from redis.asyncio.cluster import ClusterNode
 from redis.crc import key_slot
-from redis.exceptions import (
-    ClusterDownError,
-    RedisClusterException,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, ResponseError
 from taskiq_redis import RedisStreamClusterBroker
 
+from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
+from taskiq_atomic_claim.reclaiming import (
+    _UNREACHABLE,
+    REPLY_MARGIN_S,
+    ReclaimingListener,
+    logger,
+    within,
+)
 from taskiq_atomic_claim.scripts import _library_name
+from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
 
 # (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
 StreamEntries = list[tuple[Any, Any]]
-
-# The listen loop's own backoff bounds, for one slot at a time.
-_FIRST_BACKOFF_S = 0.05
-_MAX_BACKOFF_S = 5.0
 
 _SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVALSHA_RO", "EVAL"})
 _EVERY_PRIMARY = frozenset({"FUNCTION", "SCRIPT", "INFO"})
@@ -62,23 +59,6 @@ _EVERY_PRIMARY = frozenset({"FUNCTION", "SCRIPT", "INFO"})
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-# RedisClusterException texts that mean "no usable view of the cluster right
-# now", unlike usage errors such as keys in different slots.
-_FLUX_MESSAGES = ("cannot be connected", "not covered", "could not agree")
-
-
-def _in_flux(error: BaseException) -> bool:
-    """Whether ``error`` means the topology is changing, so a retry will do."""
-    # CLUSTERDOWN and MASTERDOWN during a failover, TRYAGAIN while a slot
-    # migrates, a slot the client's map has no node for.
-    if isinstance(error, ClusterDownError | TryAgainError | SlotNotCoveredError):
-        return True
-    if isinstance(error, RedisClusterException):
-        return any(message in str(error) for message in _FLUX_MESSAGES)
-    # The node a read blocked on stopped being a primary.
-    return isinstance(error, ResponseError) and str(error).startswith("UNBLOCKED")
 
 
 def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
@@ -153,24 +133,19 @@ class SlotRoutedClient:
         # Per slot group that failed to be read: the error, the backoff, and
         # when to try again.
         self._failing: dict[tuple[str, ...], BaseException] = {}
-        self._backoff: dict[tuple[str, ...], float] = {}
+        self._backoff: dict[tuple[str, ...], Backoff] = {}
         self._resting_until: dict[tuple[str, ...], float] = {}
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         name = _text(args[0]).upper()
-        try:
-            if name in _EVERY_PRIMARY:
-                return await self._on_every_primary(args, options)
-            if name in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
-                node = await self.primary_for(_text(args[3]))
-                return await self.cluster.execute_command(
-                    *args, target_nodes=node, **options
-                )
-            return await self.cluster.execute_command(*args, **options)
-        except Exception as error:
-            if _in_flux(error):
-                raise RedisConnectionError(f"cluster changing: {error}") from error
-            raise
+        if name in _EVERY_PRIMARY:
+            return await self._on_every_primary(args, options)
+        if name in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
+            node = await self.primary_for(_text(args[3]))
+            return await self.cluster.execute_command(
+                *args, target_nodes=node, **options
+            )
+        return await self.cluster.execute_command(*args, **options)
 
     async def type(self, name: str) -> Any:
         """TYPE, for the loop's start-up check of the stream keys."""
@@ -250,7 +225,7 @@ class SlotRoutedClient:
             if error is None:
                 fetched += task.result()
                 self._reachable(key)
-            elif isinstance(error, _UNREACHABLE):
+            elif is_outage(error):
                 self._unreachable(key, error)
             elif failure is None:
                 failure = error
@@ -268,21 +243,19 @@ class SlotRoutedClient:
         return fetched
 
     def _unreachable(self, key: tuple[str, ...], error: BaseException) -> None:
-        if key not in self._failing:
-            logger.warning(
-                "Streams %s unreachable, reading the others meanwhile: %s",
-                ", ".join(key),
-                error,
+        backoff = self._backoff.get(key)
+        if backoff is None:
+            backoff = self._backoff[key] = Backoff(
+                f"streams {', '.join(key)}", consequence="reading the others meanwhile"
             )
         self._failing[key] = error
-        delay = min(self._backoff.get(key, _FIRST_BACKOFF_S / 2) * 2, _MAX_BACKOFF_S)
-        self._backoff[key] = delay
-        self._resting_until[key] = time.monotonic() + delay
+        self._resting_until[key] = time.monotonic() + backoff.failed(error)
 
     def _reachable(self, key: tuple[str, ...]) -> None:
-        if self._failing.pop(key, None) is not None:
-            logger.warning("Streams %s reachable again", ", ".join(key))
-        self._backoff.pop(key, None)
+        self._failing.pop(key, None)
+        backoff = self._backoff.pop(key, None)
+        if backoff is not None:
+            backoff.succeeded()
         self._resting_until.pop(key, None)
 
     async def _read(
@@ -299,13 +272,11 @@ class SlotRoutedClient:
         if block is not None:
             pieces += ["BLOCK", block]
         pieces += ["STREAMS", *group, *group.values()]
-        try:
-            node = await self.primary_for(next(iter(group)))
-            reply = await self.cluster.execute_command(*pieces, target_nodes=node)
-        except Exception as error:
-            if _in_flux(error):
-                raise RedisConnectionError(f"cluster changing: {error}") from error
-            raise
+        node = await self.primary_for(next(iter(group)))
+        # Bounded: on a half-open connection (socket_timeout None) the read
+        # would wait for ever and its slot would never be read again.
+        call = self.cluster.execute_command(*pieces, target_nodes=node)
+        reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
         fetched = _as_pairs(reply)
         if fetched and self._on_delivered is not None:
             self._on_delivered(fetched)
@@ -432,8 +403,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         claims (and reads) of all the others."""
         try:
             outcome = await super().claim(client, stream)
-        except _UNREACHABLE as error:
-            if len(self.streams) == 1:
+        except Exception as error:
+            if len(self.streams) == 1 or not is_outage(error):
                 raise
             if stream not in self._unclaimable:
                 self._unclaimable.add(stream)
@@ -483,7 +454,9 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         await super().startup()
         try:
             await self.check_stream_types()
-        except _UNREACHABLE as error:
+        except Exception as error:
+            if not is_outage(error):
+                raise
             logger.warning("Stream keys not checked at start-up: %s", error)
 
     async def shutdown(self) -> None:

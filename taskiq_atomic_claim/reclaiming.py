@@ -11,21 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, AsyncTaskiqDecoratedTask, TaskiqFormatter
 
+from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.compat import RECEIVER_ACKS_WHAT_IT_SKIPS
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -33,7 +35,24 @@ logger = logging.getLogger("taskiq.atomic_claim")
 _DATA_FIELD = b"data"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 _SET_IDLE_BATCH = 1000
-_MAX_BACKOFF_S = 5.0
+# No reply within this (beyond a read's own block) means the connection is
+# dead, e.g. half-open after a host vanished: without a socket_timeout
+# redis-py would wait for ever. Generous, as a busy server stalls for seconds.
+REPLY_MARGIN_S = 5.0
+
+_T = TypeVar("_T")
+
+
+async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
+    """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``.
+
+    Runs in the calling task where Python allows (3.11+): ``wait_for``'s
+    extra task was seen to leave killed pool connections to the next caller.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _text(value: str | bytes) -> str:
@@ -55,31 +74,6 @@ def _raise_if_cancel_was_swallowed() -> None:
 
 class StreamTypeError(RuntimeError):
     """A key the broker must read as a stream holds another type (WRONGTYPE)."""
-
-
-class _Outage:
-    """Capped exponential backoff, logged once per outage, not per attempt."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.started: float | None = None
-        self.delay = 0.05
-
-    async def failed(self, error: BaseException) -> None:
-        if self.started is None:
-            self.started = time.monotonic()
-            logger.warning("%s: Redis unreachable, retrying: %s", self.what, error)
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, _MAX_BACKOFF_S)
-
-    def succeeded(self) -> None:
-        if self.started is not None:
-            logger.warning(
-                "%s: Redis reachable again after %.1f s",
-                self.what,
-                time.monotonic() - self.started,
-            )
-            self.started, self.delay = None, 0.05
 
 
 class ReclaimingListener:
@@ -120,6 +114,13 @@ class ReclaimingListener:
         # heartbeat keeps from being reclaimed, and what shutdown hands back.
         self.in_flight: dict[str, set[str]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        # Shared by every ack: one outage, one log line, however many acks.
+        self._ack_backoff = Backoff(
+            f"acks of consumer {self.consumer_name}",
+            cap=1.0,
+            consequence=f"an ack still failing after {self._ack_patience:.1f} s"
+            " is dropped and its task runs again once reclaimed",
+        )
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
         raise NotImplementedError
@@ -169,44 +170,44 @@ class ReclaimingListener:
         interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
         next_claim = time.monotonic()
-        outage = _Outage(f"consumer {self.consumer_name}")
-        group_missing = False
+        outage = Backoff(f"consumer {self.consumer_name}")
+        recreate_group = False  # before the next call
+        group_gone = False  # NOGROUP since the last call that worked
+        # Under OOM claims are refused while reads work: such an outage
+        # lasts until a claim works again, not until the next read.
+        claim_refused = claiming = False
         async with self._connection() as client:
             while True:
                 _raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
-                    if group_missing:
-                        await self._declare_consumer_group()
-                        group_missing = False
+                    if recreate_group:
+                        await self._recreate_group()
+                        recreate_group = False
                     if time.monotonic() >= next_claim:
                         next_claim = time.monotonic() + interval
-                        batch = await self._claim_all(client)
+                        claiming = True
+                        batch = await within(
+                            REPLY_MARGIN_S * len(self.streams),
+                            self._claim_all(client),
+                        )
+                        claiming = claim_refused = False
                     if not batch:
-                        batch = await self._read_new(client, read_from, next_claim)
-                except _UNREACHABLE as error:
-                    await outage.failed(error)
+                        # The read blocks until the next claim at most.
+                        batch = await within(
+                            max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
+                            self._read_new(client, read_from, next_claim),
+                        )
+                except Exception as error:
+                    refused = classify(error) is Fault.REFUSING
+                    claim_refused = claim_refused or (claiming and refused)
+                    claiming = False
+                    if await self._wait_out(client, error, outage, group_gone):
+                        group_gone = recreate_group = True
                     continue
-                except ResponseError as error:
-                    demoted = isinstance(error, ReadOnlyError) or str(error).startswith(
-                        "UNBLOCKED"
-                    )
-                    if demoted:
-                        # The server became a replica (under a blocked read,
-                        # or before this call): wait for a primary again.
-                        await outage.failed(error)
-                        continue
-                    if "NOGROUP" not in str(error):
-                        raise
-                    # Server restarted empty or the group was deleted.
-                    logger.warning(
-                        "Consumer group %r is gone (%s); recreating it",
-                        self.consumer_group_name,
-                        error,
-                    )
-                    group_missing = True
-                    continue
-                outage.succeeded()
+                if not claim_refused:
+                    outage.succeeded()
+                group_gone = False
                 for stream, entry_id, _ in batch:
                     self.in_flight.setdefault(stream, set()).add(entry_id)
                 for stream, entry_id, fields in batch:
@@ -214,14 +215,52 @@ class ReclaimingListener:
                         message = await self._deliverable(
                             client, stream, entry_id, fields
                         )
-                    except _UNREACHABLE as error:
+                    except Exception as error:
+                        if not is_outage(error):
+                            raise
                         # Dead-lettering failed: left pending and unheartbeated,
                         # it is reclaimed and tried again.
                         self.in_flight[stream].discard(entry_id)
-                        await outage.failed(error)
+                        await outage.wait(error)
                         continue
                     if message is not None:
                         yield message
+
+    async def _wait_out(
+        self, client: Any, error: Exception, outage: Backoff, group_gone: bool
+    ) -> bool:
+        """After a failed call of listen(): wait as the fault needs, raise a
+        usage error. True when the consumer group is gone."""
+        pool = getattr(client, "connection_pool", None)
+        if isinstance(error, asyncio.TimeoutError | RedisTimeoutError) and pool:
+            # No reply within our bound: the connection was half-open, and
+            # the idle ones in the pool most likely are too. Without this
+            # the retries would find them one bound at a time.
+            await pool.disconnect(inuse_connections=False)
+        fault = classify(error)
+        if fault is Fault.GROUP_MISSING:
+            if group_gone:
+                # Recreating it did not help (say mkstream=False and no
+                # stream): no spinning, no log flood.
+                await asyncio.sleep(outage.next_delay())
+            else:
+                # Server restarted empty or the group was deleted.
+                logger.warning(
+                    "Consumer group %r is gone (%s); recreating it",
+                    self.consumer_group_name,
+                    error,
+                )
+            return True
+        if not fault.is_outage:
+            raise error
+        # Unreachable, demoted (a failover, REPLICAOF) or refusing for now
+        # (OOM, LOADING, BUSY, ...): wait for it to pass.
+        await outage.wait(error)
+        return False
+
+    async def _recreate_group(self) -> None:
+        """Create the consumer group again after NOGROUP."""
+        await self._declare_consumer_group()
 
     async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
         batch: list[tuple[str, str, dict[Any, Any]]] = []
@@ -296,27 +335,37 @@ class ReclaimingListener:
         ack = self._ack_generator(id=entry_id, queue_name=stream)
 
         async def ack_and_forget() -> None:
-            # A dropped connection must not fail the ack outright; if the
-            # server stays away, stop heartbeating the entry either way so
-            # another worker reclaims it (at least once, never stuck).
-            give_up = time.monotonic() + min(
-                self.claim_settings.idle_timeout / 2000, 30
-            )
-            delay = 0.05
+            # An outage must not fail the ack outright; if the server stays
+            # away, stop heartbeating the entry either way so another worker
+            # reclaims it (at least once, never stuck). Never raise then:
+            # taskiq runs acks in tasks nobody awaits, so an exception is a
+            # "Task exception was never retrieved" traceback per ack, and the
+            # outage's one log line already said what happens.
+            give_up = time.monotonic() + self._ack_patience
             try:
                 while True:
                     try:
-                        await ack()
-                        return
-                    except _UNREACHABLE:
-                        if time.monotonic() + delay > give_up:
+                        await within(REPLY_MARGIN_S, ack())
+                    except Exception as error:
+                        if not is_outage(error):
                             raise
+                        delay = self._ack_backoff.failed(error)
+                        if time.monotonic() + delay > give_up:
+                            return
                         await asyncio.sleep(delay)
-                        delay = min(delay * 2, 1.0)
+                    else:
+                        self._ack_backoff.succeeded()
+                        return
             finally:
                 self.in_flight.get(stream, set()).discard(entry_id)
 
         return ack_and_forget
+
+    @property
+    def _ack_patience(self) -> float:
+        """Seconds an ack keeps retrying: well before the entry, no longer
+        heartbeated, becomes claimable."""
+        return min(self.claim_settings.idle_timeout / 2000, 30)
 
     async def check_stream_types(self) -> None:
         """Fail at startup, naming the key, if a stream key holds another type."""
@@ -346,17 +395,36 @@ class ReclaimingListener:
         # A task of its own, not part of listen(): while every slot is busy
         # the receiver stops pulling from listen(), and that is exactly when
         # long tasks need their heartbeat.
-        outage = _Outage(f"heartbeat {self.consumer_name}")
+        #
+        # It must never die: a dead heartbeat lets every long task be
+        # reclaimed and run twice. So every error is retried, usage errors
+        # too (logged as such). Retries come faster than beats, so entries
+        # unheartbeated through an outage are refreshed soon after it ends.
+        beat = self.heartbeat_interval
+        outage = Backoff(
+            f"heartbeat {self.consumer_name}", cap=min(MAX_DELAY_S, beat / 3)
+        )
+        delay = beat
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            await asyncio.sleep(delay)
             _raise_if_cancel_was_swallowed()
             try:
                 async with self._connection() as client:
-                    await self.set_idle(client, 0)
-            except _UNREACHABLE as error:
-                await outage.failed(error)
+                    await within(
+                        REPLY_MARGIN_S * self._beat_calls, self.set_idle(client, 0)
+                    )
+            except Exception as error:
+                delay = outage.failed(error)
             else:
                 outage.succeeded()
+                delay = beat
+
+    @property
+    def _beat_calls(self) -> int:
+        """Script calls one heartbeat makes, at least one."""
+        return max(
+            1, sum(-(-len(ids) // _SET_IDLE_BATCH) for ids in self.in_flight.values())
+        )
 
     async def set_idle(self, client: Any, idle_ms: int) -> None:
         """Set the idle time of every in-flight entry this consumer still owns."""

@@ -24,7 +24,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
+
+from taskiq_atomic_claim.server_errors import is_missing_script
 
 LIBRARY_PREFIX = "taskiq_atomic_claim_"
 _INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
@@ -138,10 +140,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _is_missing_function(error: ResponseError) -> bool:
-    return "function not found" in str(error).lower()
-
-
 async def detect_mode(client: ScriptClient) -> LoadMode:
     info = await client.execute_command("INFO", "server")
     version = str(info.get("redis_version", "0")) if isinstance(info, dict) else "0"
@@ -210,10 +208,8 @@ class ScriptRunner:
     ) -> Any:
         try:
             return await self._invoke(client, operation, keys, args)
-        except NoScriptError:
-            pass
         except ResponseError as error:
-            if not _is_missing_function(error):
+            if not is_missing_script(error):
                 raise
         self.reloads += 1
         if self._on_reload is not None:

@@ -13,9 +13,11 @@ need handling beyond what redis-py's Sentinel pool does by itself:
   thrown away. Once per claim interval the pool re-asks the sentinels, and
   drops its connections when the master moved;
 - a read blocked on a master that is demoted fails with UNBLOCKED, which is
-  a reply, not a broken connection. The connection class here treats it as
-  redis-py already treats READONLY: disconnect, and raise ``ConnectionError``
-  so the loop reconnects, through the sentinels, to the new master.
+  a reply, not a broken connection. The connection class here treats every
+  reply that says "not a primary now" (``server_errors.Fault.DEMOTED``:
+  UNBLOCKED, READONLY also from inside a 6.2 script, MASTERDOWN) as redis-py
+  already treats READONLY: disconnect, and raise ``ConnectionError`` so the
+  loop reconnects, through the sentinels, to the new master.
 
 The library is loaded on the master and replicates with the data (functions)
 or is reloaded on the new master when it is missing (6.2's cached scripts).
@@ -37,6 +39,7 @@ from taskiq_redis import RedisStreamSentinelBroker
 
 from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
+from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import (
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
@@ -51,7 +54,7 @@ class MasterFollowingConnection(SentinelManagedConnection):
         try:
             return await super().read_response(*args, **kwargs)
         except ResponseError as error:
-            if not str(error).startswith("UNBLOCKED"):
+            if classify(error) is not Fault.DEMOTED:
                 raise
             await self.disconnect()
             raise RedisConnectionError(
@@ -195,7 +198,9 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         await super().startup()
         try:
             await self.check_stream_types()
-        except _UNREACHABLE as error:
+        except Exception as error:
+            if not is_outage(error):
+                raise
             logger.warning("Stream keys not checked at start-up: %s", error)
 
     async def shutdown(self) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.embedded_server import LocalServer
@@ -269,8 +268,7 @@ async def test_an_ack_that_cannot_reach_the_server_stops_the_heartbeat(
         received = await receive(broker.listen(), 2)
         assert received is not None
         server.local.stop()
-        with pytest.raises(RedisConnectionError):
-            await received.ack()
+        await received.ack()  # gives up without raising (test_faults.py)
         # Not acked, so it must become reclaimable: no heartbeat may hold it.
         assert broker.in_flight["taskiq"] == set()
     finally:

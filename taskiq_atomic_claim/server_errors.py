@@ -1,0 +1,143 @@
+"""The one place that decides what an exception from redis-py means.
+
+A loop that talks to the server asks ``classify(error)`` and acts on the
+answer: wait an outage out, recreate a missing group, or raise a usage error
+(a bug or a misconfiguration that retrying cannot fix). Nothing else in the
+package matches error texts.
+
+redis-py turns most error replies into an exception class by the reply's
+first word (``OOM`` -> ``OutOfMemoryError``, ``READONLY`` ->
+``ReadOnlyError``, ...); replies it has no class for arrive as a plain
+``ResponseError`` and are told apart here by that same first word. Redis 6.2
+wraps an error raised inside a script as ``ERR Error running script ...:
+-OOM ...``; the inner reply's code is what counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from enum import Enum
+
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+
+class Fault(Enum):
+    """What an error means to a loop that keeps talking to the server."""
+
+    # No answer: connection refused, reset, timed out (LOADING is a
+    # ConnectionError subclass in redis-py as well).
+    UNREACHABLE = "Redis unreachable"
+    # The server stopped being a primary under us (failover, REPLICAOF).
+    DEMOTED = "Redis is not a primary now"
+    # The server answers but refuses for now: out of memory, busy with a
+    # script, a cluster changing its topology.
+    REFUSING = "Redis refusing commands for now"
+    # NOGROUP: the stream or its consumer group is gone.
+    GROUP_MISSING = "consumer group missing"
+    # Anything else: retrying cannot help; raise.
+    USAGE = "usage error"
+
+    @property
+    def is_outage(self) -> bool:
+        """Whether waiting (with backoff) and retrying is the answer."""
+        return self in (Fault.UNREACHABLE, Fault.DEMOTED, Fault.REFUSING)
+
+
+# Error reply codes (first word) that retrying can get past; any other
+# reply is a usage error.
+_CODE_FAULTS = {
+    "NOGROUP": Fault.GROUP_MISSING,
+    "READONLY": Fault.DEMOTED,
+    "UNBLOCKED": Fault.DEMOTED,
+    "MASTERDOWN": Fault.DEMOTED,
+    "OOM": Fault.REFUSING,
+    "BUSY": Fault.REFUSING,
+    "LOADING": Fault.REFUSING,
+    "CLUSTERDOWN": Fault.REFUSING,
+    "TRYAGAIN": Fault.REFUSING,
+    # Reaches a loop only when loading the script and calling it again
+    # failed too: a failover or a flush racing the reload. Try again later.
+    "NOSCRIPT": Fault.REFUSING,
+}
+# Redis 6.2: "ERR Error running script (call to f_...): @user_script:1:
+# @user_script: 1: -OOM command not allowed ..." (a refused command) or
+# "... @user_script:77: NOGROUP No such key ..." (a command's error reply).
+_SCRIPT_INNER_CODE = re.compile(
+    r"^Error running script \(.*?\): (?:@user_script: ?\d+: )+-?([A-Z]+) "
+)
+# Client-side errors of redis-py's cluster client that mean "no node serves
+# this now" (as opposed to usage errors such as keys in different slots).
+# redis-py has no class for them; these are its own messages, not replies.
+_CLUSTER_IN_FLUX_TEXTS = ("cannot be connected", "not covered", "could not agree")
+
+
+def reply_code(error: ResponseError) -> str:
+    """The error reply's code: its first word (``NOGROUP``, ``OOM``, ...).
+
+    redis-py strips the code from the message when it has a class for it,
+    so the class is mapped back to its code first.
+    """
+    for error_class, code in _CLASS_CODES:
+        if isinstance(error, error_class):
+            return code
+    text = str(error)
+    inner = _SCRIPT_INNER_CODE.match(text)
+    if inner is not None:
+        return inner.group(1)
+    return text.split(" ", 1)[0]
+
+
+# Most specific first: MasterDownError is a ClusterDownError.
+_CLASS_CODES: tuple[tuple[type[ResponseError], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (TryAgainError, "TRYAGAIN"),
+    (MasterDownError, "MASTERDOWN"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (NoScriptError, "NOSCRIPT"),
+)
+
+
+def classify(error: BaseException) -> Fault:
+    """What ``error`` means: an outage, a missing group, or a usage error."""
+    # asyncio.TimeoutError: a reply that never came within our own bound
+    # (an OSError itself from Python 3.11 on).
+    if isinstance(
+        error,
+        RedisConnectionError | RedisTimeoutError | OSError | asyncio.TimeoutError,
+    ):
+        return Fault.UNREACHABLE
+    if isinstance(error, ResponseError):
+        code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
+        return _CODE_FAULTS.get(code, Fault.USAGE)
+    cluster_in_flux = isinstance(error, SlotNotCoveredError) or (
+        isinstance(error, RedisClusterException)
+        and any(text in str(error) for text in _CLUSTER_IN_FLUX_TEXTS)
+    )
+    return Fault.REFUSING if cluster_in_flux else Fault.USAGE
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether ``error`` is waited out and retried rather than raised."""
+    return classify(error).is_outage
+
+
+def is_missing_script(error: ResponseError) -> bool:
+    """A script or function the server does not have (restart, flush,
+    failover to a node that never had it): load it and call again."""
+    if isinstance(error, NoScriptError):
+        return True
+    return "function not found" in str(error).lower()
