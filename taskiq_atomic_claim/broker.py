@@ -94,6 +94,9 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     async def startup(self) -> None:
         await super().startup()
         await self.check_stream_types()
+        async with self._connection() as client:
+            # A server that runs no scripts would fail every claim: say so now.
+            await self.scripts.require_scripting(client)
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the pool."""

@@ -311,18 +311,21 @@ async def _check(args: argparse.Namespace) -> int:
     targets = await _targets(args)
 
     async def check(client: Any, target: Target) -> bool:
-        status = await ScriptRunner().status(client)
+        runner = ScriptRunner()
+        server = await runner.probe_server(client)
+        status = await runner.status(client)
         others = (
             f"; other versions present: {', '.join(status.other_versions)}"
             if status.other_versions
             else ""
         )
         where = f" on {target.where}" if len(targets) > 1 else ""
+        print(server.describe())
         print(
             f"{LIBRARY.name} as {status.mode.value}{where}:"
             f" {status.state.value}{others}"
         )
-        return status.state is LibraryState.CURRENT
+        return status.state is LibraryState.CURRENT and not server.scripting_problem
 
     code = await _on_each_target(targets, check, "current")
     if code:
@@ -431,7 +434,7 @@ def _report(diagnosis: Diagnosis, fixing: bool) -> None:
     checked = (
         f"{plural(diagnosis.streams_checked, 'stream')},"
         f" {plural(diagnosis.groups_checked, 'group')} checked on"
-        f" {diagnosis.server_version}"
+        f" {diagnosis.server.describe()}"
     )
     open_findings = [f for f in diagnosis.findings if not f.fixed]
     fixed = len(diagnosis.findings) - len(open_findings)

@@ -41,6 +41,7 @@ from taskiq_atomic_claim.inspection import (
 )
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
+from taskiq_atomic_claim.server_info import ServerInfo
 
 # taskiq-redis's RedisStreamBroker default idle_timeout (ms).
 DEFAULT_LOCK_EXPIRY_MS = 600_000
@@ -90,7 +91,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    server_version: str
+    server: ServerInfo
     streams_checked: int
     groups_checked: int
     findings: list[Finding]
@@ -223,7 +224,7 @@ async def diagnose(
             groups_checked += 1
             findings += _group_findings(stream.name, view, limits, prog, reach)
     return Diagnosis(
-        inspection.server_version,
+        inspection.server,
         len(inspection.streams),
         groups_checked,
         findings,
@@ -280,7 +281,8 @@ async def apply_fixes(
 ) -> None:
     """Fix what is fixable, recording each outcome on its finding."""
     limits = thresholds or Thresholds()
-    major = int(diagnosis.server_version.split(".", 1)[0] or 0)
+    # 0 for a version that cannot be read: the fixes then use what 6.2 has.
+    major = diagnosis.server.major
     for finding in diagnosis.findings:
         if not finding.fixable:
             continue

