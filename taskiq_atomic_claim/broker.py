@@ -67,6 +67,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             maxlen=maxlen,
             xread_count=xread_count,
             additional_streams=additional_streams,
+            consumer_id=consumer_id,
+            socket_timeout=connection_kwargs.get("socket_timeout"),
         )
         super().__init__(
             url,

@@ -123,6 +123,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             maxlen=maxlen,
             xread_count=xread_count,
             additional_streams=additional_streams,
+            consumer_id=consumer_id,
+            socket_timeout=connection_kwargs.get("socket_timeout"),
         )
         require_name("master_name", master_name)
         super().__init__(
