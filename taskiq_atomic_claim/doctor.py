@@ -13,6 +13,11 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
   (XGROUP DELCONSUMER), atomically only if it still has nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
   other versions are loaded. The fix loads it.
+- ``misplaced-dead-letters`` (fixable): a dead-letter stream holding entries
+  of another stream or group: written under the key names of earlier
+  releases, where streams ``s`` and ``{s}`` shared one. The fix moves each
+  entry to the key of the stream and group it records, one atomic batch at
+  a time, so no entry is ever lost or in both.
 - ``pel-size``: a PEL past a threshold: workers fall behind or keep dying.
 - ``stale-pending``: an entry pending for far longer than any idle timeout:
   nobody reclaims this group (no worker runs, or only taskiq-redis 1.2.x
@@ -40,6 +45,11 @@ from taskiq_atomic_claim.inspection import (
     text,
 )
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.legacy_dead_letters import (
+    DEAD_LETTER_PATTERN,
+    find_misplaced_dead_letters,
+    migrate_dead_letters,
+)
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 
 # taskiq-redis's RedisStreamBroker default idle_timeout (ms).
@@ -172,6 +182,30 @@ async def diagnose(
             )
         )
 
+    misplaced, cut = await find_misplaced_dead_letters(client)
+    for found in misplaced:
+        findings.append(
+            Finding(
+                "misplaced-dead-letters",
+                found.key,
+                f"holds dead letters of other streams or groups ({found.sampled}"
+                " among its first entries): written under an earlier release's"
+                " key names, which `dead-letters` and `requeue` no longer read",
+                f"`{prog} doctor --fix` moves each to its stream's and group's key",
+                fixable=True,
+                key=found.key,
+            )
+        )
+    if cut:
+        findings.append(
+            Finding(
+                "misplaced-dead-letters",
+                DEAD_LETTER_PATTERN,
+                "too many keys to check; the scan stopped",
+                "run doctor again after --fix",
+            )
+        )
+
     groups_checked = 0
     for stream in inspection.streams:
         if stream.type not in ("stream", "none"):
@@ -293,6 +327,9 @@ async def apply_fixes(
             )
         elif finding.kind == "idle-consumer":
             finding.fixed, finding.outcome = await _delete_consumer(client, finding)
+        elif finding.kind == "misplaced-dead-letters" and finding.key is not None:
+            moved = await migrate_dead_letters(ScriptRunner(), client, finding.key)
+            finding.fixed, finding.outcome = True, f"moved {plural(moved, 'entry')}"
 
 
 async def _expire_lock(
@@ -353,12 +390,13 @@ WORKER_ACL = """The ACL a worker needs, for group G and queue (or additional str
 
 Keys, per stream S:
     ~S
-    ~taskiq-atomic-claim:lease:{S}:G
-    ~taskiq-atomic-claim:cursor:{S}:G
-    ~taskiq-atomic-claim:dead:{S}:G
-  ({S} is S itself when S already has a hash tag.) Glob characters * ? [ ] \\
-  in names are escaped; ASCII whitespace and NUL, which ACL patterns cannot
-  hold, become ? (any one byte).
+    ~taskiq-atomic-claim:lease:{S}:S:G
+    ~taskiq-atomic-claim:cursor:{S}:S:G
+    ~taskiq-atomic-claim:dead:{S}:S:G
+  (Inside the braces, the part of S Redis hashes: its hash tag, or all of
+  S; after them, S with % and : percent-encoded; see keys.py.)
+  Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
+  NUL, which ACL patterns cannot hold, become ? (any one byte).
 Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +info
