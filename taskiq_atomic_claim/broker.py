@@ -96,6 +96,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     async def startup(self) -> None:
         await super().startup()
         await self.check_stream_types()
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the pool."""

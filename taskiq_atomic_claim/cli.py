@@ -417,6 +417,9 @@ def _report(diagnosis: Diagnosis, fixing: bool) -> None:
             f"{len(open_findings)} need attention{hint}"
             f"{f', {fixed} fixed' if fixed else ''}: {checked}"
         )
+    for warning in diagnosis.warnings:
+        print(f"warning [{warning.kind}] {warning.subject}: {warning.problem}")
+        print(f"    to keep tasks: {warning.advice}")
 
 
 async def _doctor(args: argparse.Namespace) -> int:

@@ -487,6 +487,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             await self.check_stream_types()
         except _UNREACHABLE as error:
             logger.warning("Stream keys not checked at start-up: %s", error)
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the client."""

@@ -26,6 +26,10 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
 - ``missing-stream`` / ``no-group``: a named stream that does not exist, a
   stream without the named group, or (when discovering) without any group:
   nothing consumes it.
+
+Warnings, printed but not failing the check (``durability``):
+``eviction-policy`` (maxmemory-policy is not noeviction) and
+``no-persistence`` (neither AOF nor RDB save points).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from taskiq_atomic_claim.durability import durability_risks
 from taskiq_atomic_claim.inspection import (
     MAX_SCAN_CALLS,
     SCAN_COUNT,
@@ -104,6 +109,9 @@ class Diagnosis:
     streams_checked: int
     groups_checked: int
     findings: list[Finding]
+    # Server settings that can lose tasks: reported, not counted as unhealthy
+    # (a deliberate choice for a cache-like deployment).
+    warnings: list[Finding] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -256,11 +264,16 @@ async def diagnose(
                 continue
             groups_checked += 1
             findings += _group_findings(stream.name, view, limits, prog, reach)
+    warnings = [
+        Finding(risk.kind, "server", risk.problem, risk.advice)
+        for risk in await durability_risks(client)
+    ]
     return Diagnosis(
         inspection.server_version,
         len(inspection.streams),
         groups_checked,
         findings,
+        warnings,
     )
 
 
@@ -365,6 +378,7 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
+    ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
     ("xpending", "inside claim, set_idle, dead_letter"),
@@ -399,7 +413,7 @@ Keys, per stream S:
   NUL, which ACL patterns cannot hold, become ? (any one byte).
 Channels: none (resetchannels).
 Commands: -@all, then
-    +xreadgroup +xack +xadd +xgroup|create +type +info
+    +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
   and, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load

@@ -79,7 +79,7 @@ async def migrate_dead_letters(runner: ScriptRunner, client: Any, key: str) -> i
         entries = await client.xrange(key, min=start, count=MIGRATE_BATCH)
         if not entries:
             break
-        by_target: dict[str, list[str]] = defaultdict(list)
+        by_target: dict[str, list[str | int]] = defaultdict(list)
         for entry_id, target in _elsewhere(key, entries):
             by_target[target].append(entry_id)
         for target, ids in by_target.items():

@@ -22,6 +22,8 @@ from taskiq import AckableMessage
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.durability import warn_about_durability
+from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -91,6 +93,7 @@ class ReclaimingListener:
     additional_streams: dict[str, str | int]
     block: int
     count: int | None
+    mkstream: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
 
         def _ack_generator(
@@ -112,6 +115,7 @@ class ReclaimingListener:
         # Delivered to this consumer and not yet acked, per stream: what the
         # heartbeat keeps from being reclaimed, and what shutdown hands back.
         self.in_flight: dict[str, set[str]] = {}
+        self.group_positions = GroupPositions()
         self._heartbeat: asyncio.Task[None] | None = None
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -170,7 +174,7 @@ class ReclaimingListener:
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
                     if group_missing:
-                        await self._declare_consumer_group()
+                        await self.recreate_groups(client)
                         group_missing = False
                     if time.monotonic() >= next_claim:
                         next_claim = time.monotonic() + interval
@@ -236,11 +240,49 @@ class ReclaimingListener:
             block=block,
             count=self.count,
         )
-        return [
+        batch = [
             (_text(stream), _text(entry_id), fields)
             for stream, entries in fetched or []
             for entry_id, fields in entries
         ]
+        for stream, entry_id, _ in batch:
+            self.group_positions.advance(stream, entry_id)
+        return batch
+
+    async def recreate_groups(self, client: Any) -> None:
+        """Re-create the consumer group on every stream that lost it, never
+        after entries it holds (see ``group_recovery``)."""
+        for stream in self.streams:
+            try:
+                start = await recreate_group(
+                    client,
+                    stream,
+                    self.consumer_group_name,
+                    self.group_positions.get(stream),
+                    self.mkstream,
+                )
+            except ResponseError as error:  # e.g. mkstream=False, stream gone
+                logger.debug("Group on %r not re-created: %s", stream, error)
+                continue
+            if start is not None:
+                logger.warning(
+                    "Re-created consumer group %r on stream %r at id %s",
+                    self.consumer_group_name,
+                    stream,
+                    start,
+                )
+
+    async def check_durability(self) -> None:
+        """Startup: remember where the groups are, and warn about server
+        settings that lose tasks. Never fails the start."""
+        try:
+            async with self._connection() as client:
+                await self.group_positions.learn(
+                    client, self.streams, self.consumer_group_name
+                )
+                await warn_about_durability(client, f"server of {self.queue_name!r}")
+        except _UNREACHABLE as error:
+            logger.debug("Durability not checked at start-up: %s", error)
 
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]

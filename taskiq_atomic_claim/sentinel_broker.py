@@ -199,6 +199,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             await self.check_stream_types()
         except _UNREACHABLE as error:
             logger.warning("Stream keys not checked at start-up: %s", error)
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then shut down as the parent does."""

@@ -363,3 +363,25 @@ async def test_fix_moves_dead_letters_from_old_key_names(
     assert listed.stdout.startswith(f"261 dead letters in {braced.dead_letters}")
     again = cli("doctor", "--url", server.url, "--queue", "jobs", "--group", "workers")
     assert again.returncode == 0, again.stdout
+
+
+async def test_doctor_warns_about_settings_that_lose_tasks(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    await redis.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        result = cli("doctor", "--url", server.url)
+    finally:
+        await redis.config_set("maxmemory-policy", "noeviction")
+    # Warnings, not findings: the exit code still reports the groups.
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("healthy: 1 stream, 1 group checked")
+    assert "warning [eviction-policy] server: maxmemory-policy is allkeys-lru" in (
+        result.stdout
+    )
+    # The suite's local servers run without persistence.
+    if server.local is not None:
+        assert "warning [no-persistence] server" in result.stdout
+    quiet = cli("doctor", "--url", server.url)
+    assert "eviction-policy" not in quiet.stdout
