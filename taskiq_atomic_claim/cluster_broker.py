@@ -324,6 +324,17 @@ class SlotRoutedClient:
 
 # The parent annotates additional_streams as dict[str, str], the loop as
 # dict[str, str | int] (what XREADGROUP takes): the same object either way.
+class _OneNode:
+    """The slice of a client that durability checks need, bound to one node."""
+
+    def __init__(self, cluster: RedisCluster, node: ClusterNode) -> None:
+        self.cluster = cluster
+        self.node = node
+
+    async def execute_command(self, *args: Any) -> Any:
+        return await self.cluster.execute_command(*args, target_nodes=self.node)
+
+
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
     ReclaimingListener, RedisStreamClusterBroker
 ):
@@ -477,6 +488,13 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                     stream,
                     error,
                 )
+
+    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+        # Every primary holds some queue: each gets its own settings check.
+        return [
+            (f"primary {node.host}:{node.port}", _OneNode(self.redis, node))
+            for node in self.redis.get_primaries()
+        ]
 
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone

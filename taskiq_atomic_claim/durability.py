@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -50,7 +50,7 @@ async def _save_points(client: Any) -> str | None:
     """CONFIG GET save; None when the ACL (or a renamed command) forbids it."""
     try:
         reply = await client.execute_command("CONFIG", "GET", "save")
-    except RedisError as error:
+    except (RedisError, RedisClusterException) as error:
         logger.debug("RDB save points not checked: %s", error)
         return None
     values = (
@@ -116,7 +116,7 @@ async def warn_about_durability(client: Any, where: str) -> None:
     """Log each risk once, at startup; never raises."""
     try:
         risks = await durability_risks(client, may_read_config(client))
-    except (RedisError, OSError) as error:
+    except (RedisError, RedisClusterException, OSError) as error:
         logger.debug("Durability settings of %s not checked: %s", where, error)
         return
     for risk in risks:

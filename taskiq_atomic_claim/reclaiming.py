@@ -272,6 +272,10 @@ class ReclaimingListener:
                     start,
                 )
 
+    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+        """The servers behind ``client``, each with a name for the log."""
+        return [(f"server of queue {self.queue_name!r}", client)]
+
     async def check_durability(self) -> None:
         """Startup: remember where the groups are, and warn about server
         settings that lose tasks. Never fails the start."""
@@ -280,7 +284,8 @@ class ReclaimingListener:
                 await self.group_positions.learn(
                     client, self.streams, self.consumer_group_name
                 )
-                await warn_about_durability(client, f"server of {self.queue_name!r}")
+                for where, server in self._servers(client):
+                    await warn_about_durability(server, where)
         except _UNREACHABLE as error:
             logger.debug("Durability not checked at start-up: %s", error)
 

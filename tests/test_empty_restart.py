@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from taskiq.exceptions import SendTaskError
 from taskiq.kicker import AsyncKicker
 
-from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim import AtomicRedisStreamBroker, AtomicRedisStreamClusterBroker
 from taskiq_atomic_claim.drill_app import events_stream
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.group_recovery import recreate_group
@@ -288,3 +288,25 @@ async def test_a_worker_without_config_in_its_acl_checks_what_info_tells(
     assert any("maxmemory-policy is volatile-lru" in line for line in logged)
     assert not any("save points" in line for line in logged), logged
     assert await redis.execute_command("ACL", "LOG") == []
+
+
+async def test_a_cluster_worker_checks_every_primary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.topologies import LocalCluster, binary_for, need  # noqa: PLC0415
+
+    with LocalCluster(need(binary_for(7), "Redis 7"), replicas=0) as cluster:
+        one = cluster.primaries[1].server.url
+        admin = Redis.from_url(one)
+        await admin.config_set("maxmemory-policy", "allkeys-lfu")
+        await admin.aclose()
+        broker = AtomicRedisStreamClusterBroker(cluster.url, idle_timeout=2000)
+        with caplog.at_level(logging.WARNING, "taskiq.atomic_claim"):
+            await broker.startup()
+        await broker.shutdown()
+    logged = [r.getMessage() for r in caplog.records]
+    port = cluster.primaries[1].port
+    evicting = [line for line in logged if "maxmemory-policy is allkeys-lfu" in line]
+    assert evicting == [evicting[0]] and f":{port}" in evicting[0], logged
+    unsaved = [line for line in logged if "neither AOF nor RDB" in line]
+    assert len(unsaved) == len(cluster.primaries), logged
