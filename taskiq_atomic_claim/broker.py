@@ -67,6 +67,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             maxlen=maxlen,
             xread_count=xread_count,
             additional_streams=additional_streams,
+            consumer_id=consumer_id,
+            socket_timeout=connection_kwargs.get("socket_timeout"),
         )
         super().__init__(
             url,
@@ -97,6 +99,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         async with self._connection() as client:
             # A server that runs no scripts would fail every claim: say so now.
             await self.scripts.require_scripting(client)
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the pool."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -18,7 +19,12 @@ from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import MovedError, RedisClusterException, RedisError
+from redis.exceptions import (
+    MovedError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+)
 
 from taskiq_atomic_claim import __version__
 from taskiq_atomic_claim.dead_letters import (
@@ -58,6 +64,14 @@ _SCHEMES = ("redis", "rediss", "unix")
 
 class CommandError(Exception):
     """A failure to report as one line, without a traceback."""
+
+
+# What redis-py's reply parsers raise on a reply of a shape Redis never sends.
+_UNPARSABLE = (AttributeError, TypeError, ValueError, IndexError, KeyError)
+
+
+class NotRedisError(RedisError):
+    """A server that speaks RESP but does not answer as Redis or Valkey do."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,34 @@ def connect(options: ConnectionOptions) -> Any:
         raise CommandError(f"bad --url {url!r}: {error}") from None
 
 
+@contextlib.asynccontextmanager
+async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
+    """``connect``, then make sure the peer is a Redis or Valkey server: the
+    replies of anything else would fail somewhere deep in a parser."""
+    async with connect(options) as client:
+        await _require_redis(client, _address(options.url))
+        yield client
+
+
+def _address(url: str) -> str:
+    """host:port of ``url``, without credentials."""
+    return urlsplit(url).netloc.rpartition("@")[2]
+
+
+async def _require_redis(client: Any, where: str) -> None:
+    try:
+        info = await client.execute_command("INFO", "server")
+    except NoPermissionError:
+        return  # a restricted user: the commands themselves will tell
+    except _UNPARSABLE:
+        info = None  # a reply no INFO parser could read
+    if not isinstance(info, dict) or "redis_version" not in info:
+        raise NotRedisError(
+            f"{where} speaks RESP but is not a Redis or Valkey server"
+            " (INFO server has no redis_version)"
+        )
+
+
 def _tls_arguments(options: ConnectionOptions) -> dict[str, Any]:
     url = options.url
     scheme = urlsplit(url).scheme
@@ -218,6 +260,11 @@ async def _discover_master(sentinels: list[str], master: str) -> tuple[str, int]
     )
     try:
         host, port = await sentinel.discover_master(master)
+    except _UNPARSABLE:
+        raise NotRedisError(
+            "a --sentinel speaks RESP but did not answer SENTINEL MASTERS as a"
+            " sentinel does"
+        ) from None
     finally:
         for client in sentinel.sentinels:
             await client.aclose()
@@ -238,6 +285,11 @@ async def _cluster_primaries(
         owners = [startup.get_node_from_key(stream) for stream in streams or ()]
     except RedisClusterException as error:  # not a RedisError
         raise CommandError(f"--cluster: {error}") from None
+    except _UNPARSABLE:
+        raise NotRedisError(
+            f"{_address(options.url)} speaks RESP but did not answer"
+            " CLUSTER SLOTS as a Redis or Valkey cluster node does"
+        ) from None
     finally:
         await startup.aclose()
     targets = []
@@ -267,7 +319,7 @@ async def _on_each_target(
     succeeded = 0
     for target in targets:
         try:
-            async with connect(target.options) as client:
+            async with connected(target.options) as client:
                 succeeded += await action(client, target)
         except (RedisError, OSError) as error:
             if len(targets) == 1:
@@ -362,7 +414,7 @@ def _describe(letter: DeadLetter) -> str:
 
 async def _dead_letters(args: argparse.Namespace) -> int:
     keys = StreamKeys(args.queue, args.group)
-    async with connect((await _server_of(args, keys)).options) as client:
+    async with connected((await _server_of(args, keys)).options) as client:
         total = await client.exists(keys.dead_letters) and await client.xlen(
             keys.dead_letters
         )
@@ -378,7 +430,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
 async def _requeue(args: argparse.Namespace) -> int:
     keys = StreamKeys(args.queue, args.group)
     ids: list[str] | None = args.ids
-    async with connect((await _server_of(args, keys)).options) as client:
+    async with connected((await _server_of(args, keys)).options) as client:
         if args.task is not None:
             ids = await dead_letter_ids_of_task(client, keys, args.task)
             if not ids:
@@ -449,6 +501,9 @@ def _report(diagnosis: Diagnosis, fixing: bool) -> None:
             f"{len(open_findings)} need attention{hint}"
             f"{f', {fixed} fixed' if fixed else ''}: {checked}"
         )
+    for warning in diagnosis.warnings:
+        print(f"warning [{warning.kind}] {warning.subject}: {warning.problem}")
+        print(f"    to keep tasks: {warning.advice}")
 
 
 async def _doctor(args: argparse.Namespace) -> int:
@@ -498,7 +553,7 @@ async def _acl(
     result_backend_prefix: str | None = None,
 ) -> int:
     if options is not None:
-        async with connect(options) as client:
+        async with connected(options) as client:
             version = await server_version(client)
     version = version or "7.2"
     try:

@@ -295,6 +295,17 @@ class SlotRoutedClient:
 
 # The parent annotates additional_streams as dict[str, str], the loop as
 # dict[str, str | int] (what XREADGROUP takes): the same object either way.
+class _OneNode:
+    """The slice of a client that durability checks need, bound to one node."""
+
+    def __init__(self, cluster: RedisCluster, node: ClusterNode) -> None:
+        self.cluster = cluster
+        self.node = node
+
+    async def execute_command(self, *args: Any) -> Any:
+        return await self.cluster.execute_command(*args, target_nodes=self.node)
+
+
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
     ReclaimingListener, RedisStreamClusterBroker
 ):
@@ -356,6 +367,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             maxlen=maxlen,
             xread_count=xread_count,
             additional_streams=additional_streams,
+            consumer_id=consumer_id,
+            socket_timeout=connection_kwargs.get("socket_timeout"),
         )
         named = [("queue_name", queue_name)]
         named += [("additional_streams key", s) for s in additional_streams or {}]
@@ -447,6 +460,13 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                     error,
                 )
 
+    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+        # Every primary holds some queue: each gets its own settings check.
+        return [
+            (f"primary {node.host}:{node.port}", _OneNode(self.redis, node))
+            for node in self.redis.get_primaries()
+        ]
+
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone
         broker does; a cluster that cannot be reached yet is waited out by
@@ -458,6 +478,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then close the client."""

@@ -13,6 +13,11 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
   (XGROUP DELCONSUMER), atomically only if it still has nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
   other versions are loaded. The fix loads it.
+- ``misplaced-dead-letters`` (fixable): a dead-letter stream holding entries
+  of another stream or group: written under the key names of earlier
+  releases, where streams ``s`` and ``{s}`` shared one. The fix moves each
+  entry to the key of the stream and group it records, one atomic batch at
+  a time, so no entry is ever lost or in both.
 - ``pel-size``: a PEL past a threshold: workers fall behind or keep dying.
 - ``stale-pending``: an entry pending for far longer than any idle timeout:
   nobody reclaims this group (no worker runs, or only taskiq-redis 1.2.x
@@ -21,6 +26,10 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
 - ``missing-stream`` / ``no-group``: a named stream that does not exist, a
   stream without the named group, or (when discovering) without any group:
   nothing consumes it.
+
+Warnings, printed but not failing the check (``durability``):
+``eviction-policy`` (maxmemory-policy is not noeviction) and
+``no-persistence`` (neither AOF nor RDB save points).
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from taskiq_atomic_claim.durability import durability_risks
 from taskiq_atomic_claim.inspection import (
     MAX_SCAN_CALLS,
     SCAN_COUNT,
@@ -40,6 +50,11 @@ from taskiq_atomic_claim.inspection import (
     text,
 )
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.legacy_dead_letters import (
+    DEAD_LETTER_PATTERN,
+    find_misplaced_dead_letters,
+    migrate_dead_letters,
+)
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
@@ -95,6 +110,9 @@ class Diagnosis:
     streams_checked: int
     groups_checked: int
     findings: list[Finding]
+    # Server settings that can lose tasks: reported, not counted as unhealthy
+    # (a deliberate choice for a cache-like deployment).
+    warnings: list[Finding] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -173,6 +191,30 @@ async def diagnose(
             )
         )
 
+    misplaced, cut = await find_misplaced_dead_letters(client)
+    for found in misplaced:
+        findings.append(
+            Finding(
+                "misplaced-dead-letters",
+                found.key,
+                f"holds dead letters of other streams or groups ({found.sampled}"
+                " among its first entries): written under an earlier release's"
+                " key names, which `dead-letters` and `requeue` no longer read",
+                f"`{prog} doctor --fix` moves each to its stream's and group's key",
+                fixable=True,
+                key=found.key,
+            )
+        )
+    if cut:
+        findings.append(
+            Finding(
+                "misplaced-dead-letters",
+                DEAD_LETTER_PATTERN,
+                "too many keys to check; the scan stopped",
+                "run doctor again after --fix",
+            )
+        )
+
     groups_checked = 0
     for stream in inspection.streams:
         if stream.type not in ("stream", "none"):
@@ -223,11 +265,16 @@ async def diagnose(
                 continue
             groups_checked += 1
             findings += _group_findings(stream.name, view, limits, prog, reach)
+    warnings = [
+        Finding(risk.kind, "server", risk.problem, risk.advice)
+        for risk in await durability_risks(client)
+    ]
     return Diagnosis(
         inspection.server,
         len(inspection.streams),
         groups_checked,
         findings,
+        warnings,
     )
 
 
@@ -295,6 +342,9 @@ async def apply_fixes(
             )
         elif finding.kind == "idle-consumer":
             finding.fixed, finding.outcome = await _delete_consumer(client, finding)
+        elif finding.kind == "misplaced-dead-letters" and finding.key is not None:
+            moved = await migrate_dead_letters(ScriptRunner(), client, finding.key)
+            finding.fixed, finding.outcome = True, f"moved {plural(moved, 'entry')}"
 
 
 async def _expire_lock(
@@ -330,6 +380,7 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
+    ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
     ("xpending", "inside claim, set_idle, dead_letter"),
@@ -361,15 +412,16 @@ WORKER_ACL = """The ACL a worker needs, for group G and queue (or additional str
 
 Keys, per stream S:
     ~S
-    ~taskiq-atomic-claim:lease:{S}:G
-    ~taskiq-atomic-claim:cursor:{S}:G
-    ~taskiq-atomic-claim:dead:{S}:G
-  ({S} is S itself when S already has a hash tag.) Glob characters * ? [ ] \\
-  in names are escaped; ASCII whitespace and NUL, which ACL patterns cannot
-  hold, become ? (any one byte).
+    ~taskiq-atomic-claim:lease:{S}:S:G
+    ~taskiq-atomic-claim:cursor:{S}:S:G
+    ~taskiq-atomic-claim:dead:{S}:S:G
+  (Inside the braces, the part of S Redis hashes: its hash tag, or all of
+  S; after them, S with % and : percent-encoded; see keys.py.)
+  Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
+  NUL, which ACL patterns cannot hold, become ? (any one byte).
 Channels: none (resetchannels).
 Commands: -@all, then
-    +xreadgroup +xack +xadd +xgroup|create +type +info
+    +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
   and, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load

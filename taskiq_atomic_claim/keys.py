@@ -1,37 +1,70 @@
 """Names of the keys this package writes beside a stream.
 
-Every key for a stream carries that stream's hash slot, so a script that
-touches the stream and its keys runs on one Cluster node:
+A key is ``taskiq-atomic-claim:<kind>:{<tag>}:<stream>:<group>``:
 
-- a stream with a hash tag (``jobs{eu}``) is embedded as it is and its tag
-  decides the slot;
-- a stream without one is wrapped in braces (``{taskiq}``), and a tag equal
-  to the whole name hashes exactly like the bare name.
+- ``{<tag>}`` fixes the hash slot: the part of the stream's name Redis hashes
+  (its hash tag, or the whole name), or, when that part holds a ``}`` and so
+  cannot stand between braces, a short stand-in with the same slot. Every key
+  for a stream thus lives in the stream's slot, on one Cluster node.
+- ``<stream>`` is the full name with ``%`` and ``:`` percent-encoded, so the
+  first ``:`` after it separates the group: different (stream, group) pairs
+  never share a key (``s`` and ``{s}`` hash alike but are named apart).
 
-The prefix has no braces, so the first ``{`` in a key is always the stream's.
+The prefix has no braces, so the first ``{`` in a key is always the tag's.
+Releases before this naming used ``{stream}`` alone (``legacy_*``), which let
+``s`` and ``{s}`` share keys; ``doctor --fix`` moves dead letters from there.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import string
 from dataclasses import dataclass
 
 from redis.crc import key_slot
 
 PREFIX = "taskiq-atomic-claim"
+_STAND_IN_ALPHABET = string.ascii_lowercase + string.digits
 
 
-def _has_hash_tag(name: str) -> bool:
+def _hash_tag(name: str) -> str | None:
     """Redis's rule: something between the first ``{`` and the next ``}``."""
     start = name.find("{")
     if start < 0:
-        return False
+        return None
     end = name.find("}", start + 1)
-    return end > start + 1
+    return name[start + 1 : end] if end > start + 1 else None
+
+
+@functools.cache
+def _stand_in(slot: int) -> str:
+    """The shortest brace-free tag that hashes to ``slot``."""
+    for length in itertools.count(1):
+        for letters in itertools.product(_STAND_IN_ALPHABET, repeat=length):
+            candidate = "".join(letters)
+            if key_slot(candidate.encode()) == slot:
+                return candidate
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _slot_tag(stream: str) -> str:
+    hashed = _hash_tag(stream) or stream
+    if "}" in hashed:
+        return _stand_in(key_slot(stream.encode()))
+    return hashed
 
 
 def slot_anchor(stream: str) -> str:
-    """The part of every key for ``stream`` that fixes its hash slot."""
-    return stream if _has_hash_tag(stream) else "{" + stream + "}"
+    """The part of every key for ``stream`` that fixes its slot and names it
+    unambiguously: ``{tag}:encoded-stream``."""
+    encoded = stream.replace("%", "%25").replace(":", "%3A")
+    return "{" + _slot_tag(stream) + "}:" + encoded
+
+
+def legacy_slot_anchor(stream: str) -> str:
+    """What releases before the injective naming used in its place."""
+    return stream if _hash_tag(stream) is not None else "{" + stream + "}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +86,12 @@ class StreamKeys:
     def dead_letters(self) -> str:
         """A stream (data, never expires) of entries the group gave up on."""
         return f"{PREFIX}:dead:{slot_anchor(self.stream)}:{self.group}"
+
+    @property
+    def legacy_dead_letters(self) -> str:
+        """Where earlier releases wrote this pair's dead letters (shared by
+        ``s`` and ``{s}``); ``doctor --fix`` moves them to ``dead_letters``."""
+        return f"{PREFIX}:dead:{legacy_slot_anchor(self.stream)}:{self.group}"
 
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""

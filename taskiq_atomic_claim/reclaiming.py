@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, AsyncTaskiqDecoratedTask, TaskiqFormatter
 
@@ -24,6 +25,8 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.compat import RECEIVER_ACKS_WHAT_IT_SKIPS
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.durability import warn_about_durability
+from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -88,6 +91,7 @@ class ReclaimingListener:
     count: int | None
     formatter: TaskiqFormatter
     is_worker_process: bool
+    mkstream: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
 
         def find_task(
@@ -97,8 +101,6 @@ class ReclaimingListener:
         def _ack_generator(
             self, id: str, queue_name: str
         ) -> Callable[[], Awaitable[None]]: ...
-
-        async def _declare_consumer_group(self) -> None: ...
 
     claim_settings: ClaimSettings
     scripts: ScriptRunner
@@ -113,6 +115,7 @@ class ReclaimingListener:
         # Delivered to this consumer and not yet acked, per stream: what the
         # heartbeat keeps from being reclaimed, and what shutdown hands back.
         self.in_flight: dict[str, set[str]] = {}
+        self.group_positions = GroupPositions()
         self._heartbeat: asyncio.Task[None] | None = None
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
@@ -182,7 +185,7 @@ class ReclaimingListener:
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
                     if recreate_group:
-                        await self._recreate_group()
+                        await self.recreate_groups(client)
                         recreate_group = False
                     if time.monotonic() >= next_claim:
                         next_claim = time.monotonic() + interval
@@ -258,10 +261,6 @@ class ReclaimingListener:
         await outage.wait(error)
         return False
 
-    async def _recreate_group(self) -> None:
-        """Create the consumer group again after NOGROUP."""
-        await self._declare_consumer_group()
-
     async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         for stream in self.streams:
@@ -282,11 +281,54 @@ class ReclaimingListener:
             block=block,
             count=self.count,
         )
-        return [
+        batch = [
             (_text(stream), _text(entry_id), fields)
             for stream, entries in fetched or []
             for entry_id, fields in entries
         ]
+        for stream, entry_id, _ in batch:
+            self.group_positions.advance(stream, entry_id)
+        return batch
+
+    async def recreate_groups(self, client: Any) -> None:
+        """Re-create the consumer group on every stream that lost it, never
+        after entries it holds (see ``group_recovery``)."""
+        for stream in self.streams:
+            try:
+                start = await recreate_group(
+                    client,
+                    stream,
+                    self.consumer_group_name,
+                    self.group_positions.get(stream),
+                    self.mkstream,
+                )
+            except ResponseError as error:  # e.g. mkstream=False, stream gone
+                logger.debug("Group on %r not re-created: %s", stream, error)
+                continue
+            if start is not None:
+                logger.warning(
+                    "Re-created consumer group %r on stream %r at id %s",
+                    self.consumer_group_name,
+                    stream,
+                    start,
+                )
+
+    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+        """The servers behind ``client``, each with a name for the log."""
+        return [(f"server of queue {self.queue_name!r}", client)]
+
+    async def check_durability(self) -> None:
+        """Startup: remember where the groups are, and warn about server
+        settings that lose tasks. Never fails the start."""
+        try:
+            async with self._connection() as client:
+                await self.group_positions.learn(
+                    client, self.streams, self.consumer_group_name
+                )
+                for where, server in self._servers(client):
+                    await warn_about_durability(server, where)
+        except _UNREACHABLE as error:
+            logger.debug("Durability not checked at start-up: %s", error)
 
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]

@@ -126,6 +126,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             maxlen=maxlen,
             xread_count=xread_count,
             additional_streams=additional_streams,
+            consumer_id=consumer_id,
+            socket_timeout=connection_kwargs.get("socket_timeout"),
         )
         require_name("master_name", master_name)
         super().__init__(
@@ -202,6 +204,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+        await self.check_durability()
 
     async def shutdown(self) -> None:
         """Hand unacked deliveries back, then shut down as the parent does."""

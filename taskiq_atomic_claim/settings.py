@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
+
+logger = logging.getLogger("taskiq.atomic_claim")
 
 # XAUTOCLAIM scans COUNT*10 PEL entries per call; beyond this a single claim
 # call would block the server for a noticeable time.
 MAX_BATCH_SIZE = 10_000
 DEFAULT_CLAIM_INTERVAL_MS = 1_000
 DEFAULT_MAX_DELIVERIES = 5
+# Redis refuses an expiry whose deadline (now + PX) passes 2**63-1 ms since
+# the epoch; 2**62 ms leaves the clock room for ~146 million years.
+MAX_EXPIRY_MS = 2**62
+# The cursor key lives idle_timeout + 2 * claim_interval (< 3 * idle_timeout).
+MAX_IDLE_TIMEOUT_MS = MAX_EXPIRY_MS // 3
+# COUNT, MAXLEN: Redis parses them as signed 64-bit integers.
+MAX_REDIS_INT = 2**63 - 1
+# What a reply may take beyond the longest blocking read before a socket
+# timeout would call a healthy server unreachable.
+SOCKET_TIMEOUT_MARGIN_MS = 500
+_MAX_ID_PART = 2**64 - 1
+_STREAM_ID = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def is_stream_id(value: object) -> bool:
+    """An explicit stream id as Redis parses it: ``ms``, ``ms-seq`` or an int."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 0 <= value <= _MAX_ID_PART
+    if not isinstance(value, str):
+        return False
+    match = _STREAM_ID.fullmatch(value)
+    return match is not None and all(
+        int(part) <= _MAX_ID_PART for part in match.groups() if part is not None
+    )
 
 
 def require_positive_int(name: str, value: object, maximum: int | None = None) -> int:
@@ -56,11 +84,25 @@ class ClaimSettings:
         claim interval, never forever. ``max_deliveries`` None never
         dead-letters.
         """
-        idle = require_positive_int("idle_timeout", idle_timeout)
-        if idle < 2:
+        if (
+            not isinstance(idle_timeout, int)
+            or isinstance(idle_timeout, bool)
+            or not 2 <= idle_timeout <= MAX_IDLE_TIMEOUT_MS
+        ):
             raise ValueError(
-                f"idle_timeout must be >= 2 ms to leave room for a claim interval,"
-                f" got {idle}"
+                f"idle_timeout must be an integer >= 2 and <= {MAX_IDLE_TIMEOUT_MS}"
+                " (ms; the claim cursor expires after up to 3 * idle_timeout ms and"
+                f" Redis refuses expiries beyond 2**63-1 ms), got {idle_timeout!r}"
+            )
+        idle = idle_timeout
+        if idle < 1000:
+            # idle_timeout=60 meant as seconds is a claim call every 30 ms.
+            logger.warning(
+                "idle_timeout=%d is in milliseconds (as in taskiq-redis): an entry"
+                " is reclaimed after %d ms, not %d seconds",
+                idle,
+                idle,
+                idle,
             )
         if claim_interval is None:
             interval = min(DEFAULT_CLAIM_INTERVAL_MS, idle // 2)
@@ -79,12 +121,12 @@ class ClaimSettings:
             if (
                 not isinstance(unacknowledged_lock_timeout, int | float)
                 or isinstance(unacknowledged_lock_timeout, bool)
-                or not unacknowledged_lock_timeout > 0
-                or unacknowledged_lock_timeout == float("inf")
+                or not 0 < unacknowledged_lock_timeout <= MAX_EXPIRY_MS / 1000
             ):
                 raise ValueError(
-                    "unacknowledged_lock_timeout must be a finite number of seconds"
-                    f" > 0, got {unacknowledged_lock_timeout!r}"
+                    "unacknowledged_lock_timeout must be a number of seconds > 0 and"
+                    f" <= {MAX_EXPIRY_MS // 1000} (the lease's PX; Redis refuses"
+                    f" expiries beyond 2**63-1 ms), got {unacknowledged_lock_timeout!r}"
                 )
             lease = max(1, round(unacknowledged_lock_timeout * 1000))
         deliveries = (
@@ -114,6 +156,8 @@ def check_broker_arguments(
     maxlen: object,
     xread_count: object,
     additional_streams: object,
+    consumer_id: object,
+    socket_timeout: object,
 ) -> ClaimSettings:
     """Every check the brokers share; a ValueError names the parameter."""
     settings = ClaimSettings.from_broker_arguments(
@@ -136,15 +180,51 @@ def check_broker_arguments(
             f"xread_block must be an integer >= 0 (ms), got {xread_block!r}"
         )
     if maxlen is not None:
-        require_positive_int("maxlen", maxlen)
+        require_positive_int("maxlen", maxlen, MAX_REDIS_INT)
     if xread_count is not None:
-        require_positive_int("xread_count", xread_count)
+        require_positive_int("xread_count", xread_count, MAX_REDIS_INT)
+    if consumer_id != "$" and not is_stream_id(consumer_id):
+        raise ValueError(
+            "consumer_id must be '$' (only new entries) or a stream id such as"
+            " '0', '1700000000000' or '1700000000000-0' (each part <= 2**64-1),"
+            f" as XGROUP CREATE accepts, got {consumer_id!r}"
+        )
+    _check_socket_timeout(socket_timeout, xread_block, settings.claim_interval)
     if additional_streams is not None:
         if not isinstance(additional_streams, dict):
             raise ValueError(
                 "additional_streams must be a dict of stream name to start id,"
                 f" got {additional_streams!r}"
             )
-        for stream in additional_streams:
+        for stream, start in additional_streams.items():
             require_name("additional_streams key", stream)
+            if start != ">" and not is_stream_id(start):
+                raise ValueError(
+                    f"additional_streams[{stream!r}] must be '>' (new entries) or a"
+                    " stream id such as '0' or '1700000000000-0' (each part"
+                    f" <= 2**64-1), as XREADGROUP accepts, got {start!r}"
+                )
     return settings
+
+
+def _check_socket_timeout(
+    socket_timeout: object, xread_block: int, claim_interval: int
+) -> None:
+    """A read blocks up to min(xread_block, claim_interval) ms; a socket
+    timeout shorter than that plus a margin reports a healthy server as
+    unreachable."""
+    if socket_timeout is None:
+        return
+    blocking_ms = min(xread_block, claim_interval) if xread_block else claim_interval
+    least_s = (blocking_ms + SOCKET_TIMEOUT_MARGIN_MS) / 1000
+    if (
+        not isinstance(socket_timeout, int | float)
+        or isinstance(socket_timeout, bool)
+        or not socket_timeout > least_s
+    ):
+        raise ValueError(
+            f"socket_timeout must be a number of seconds > {least_s:g}: a blocking"
+            f" read waits up to {blocking_ms} ms (min of xread_block and"
+            f" claim_interval) and the reply needs {SOCKET_TIMEOUT_MARGIN_MS} ms"
+            f" more; got {socket_timeout!r}"
+        )

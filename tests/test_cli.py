@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
+import pytest
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim.embedded_server import free_port
@@ -158,3 +163,68 @@ def test_requeue_needs_ids_or_all() -> None:
     result = cli("requeue", "--url", "redis://127.0.0.1:1")
     assert result.returncode == 2
     assert "--id" in result.stderr
+
+
+class NotRedisPeer:
+    """A loopback TCP server that answers every command with ``*1 :42``: it
+    speaks RESP but is not Redis (what the CLI meets at a wrong port)."""
+
+    REPLY = b"*1\r\n:42\r\n"
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self.closed.is_set():
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                # One reply per command: each starts with a "*" array header.
+                commands = sum(line.startswith(b"*") for line in data.split(b"\r\n"))
+                conn.sendall(self.REPLY * max(1, commands))
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def not_redis() -> Iterator[NotRedisPeer]:
+    peer = NotRedisPeer()
+    yield peer
+    peer.close()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect"],
+        ["inspect", "--json"],
+        ["load"],
+        ["check"],
+        ["doctor"],
+        ["dead-letters"],
+        ["requeue", "--all"],
+        ["acl"],
+        ["doctor", "--cluster"],
+    ],
+)
+def test_a_server_that_is_not_redis_is_one_line_and_exit_2(
+    not_redis: NotRedisPeer, command: list[str]
+) -> None:
+    url = f"redis://127.0.0.1:{not_redis.port}"
+    result = cli(*command, "--url", url)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "is not a Redis or Valkey" in result.stderr or "did not answer" in (
+        result.stderr
+    )
+    assert f"127.0.0.1:{not_redis.port}" in result.stderr

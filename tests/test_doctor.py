@@ -309,3 +309,79 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
     finally:
         for broker in started:
             await broker.shutdown()
+
+
+def old_dead_letter(stream: str, group: str, data: str) -> dict[str, str]:
+    """A dead letter as earlier releases' dead_letter script wrote it."""
+    return {
+        "data": data,
+        "dead_letter_stream": stream,
+        "dead_letter_group": group,
+        "dead_letter_id": "1-0",
+        "dead_letter_deliveries": "6",
+        "dead_letter_reason": "max deliveries",
+    }
+
+
+async def test_fix_moves_dead_letters_from_old_key_names(
+    server: Server, redis: Redis
+) -> None:
+    """Streams ``s`` and ``{s}`` shared ``...:dead:{s}:g`` in earlier releases:
+    doctor finds it and --fix moves each entry to its own pair's key."""
+    await healthy_group(redis)
+    old_key = StreamKeys("s", "g").legacy_dead_letters
+    assert old_key == StreamKeys("{s}", "g").legacy_dead_letters
+    plain, braced = StreamKeys("s", "g"), StreamKeys("{s}", "g")
+    written = []
+    for stream, data in [("s", "a"), ("{s}", "b"), ("s", "c"), ("{s}", "d")] * 130:
+        written.append(await redis.xadd(old_key, old_dead_letter(stream, "g", data)))
+    # A later letter already in the new key: older ones get new ids there.
+    await redis.xadd(braced.dead_letters, old_dead_letter("{s}", "g", "new"))
+
+    found = cli("doctor", "--url", server.url, "--queue", "jobs", "--group", "workers")
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert f"[misplaced-dead-letters] {old_key}" in found.stdout
+
+    fixed = cli(
+        "doctor", "--url", server.url, "--queue", "jobs", "--group", "workers", "--fix"
+    )
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "moved 520 entries" in fixed.stdout
+    assert await redis.exists(old_key) == 0
+
+    async def data(key: str) -> list[bytes]:
+        return [fields[b"data"] for _, fields in await redis.xrange(key)]
+
+    assert await data(plain.dead_letters) == [b"a", b"c"] * 130
+    assert await data(braced.dead_letters) == [b"new", *[b"b", b"d"] * 130]
+    # Ids (when each was dead-lettered) are kept where the target allowed.
+    kept = [entry_id for entry_id, _ in await redis.xrange(plain.dead_letters)]
+    assert kept == written[0::2]
+
+    listed = cli("dead-letters", "--url", server.url, "--queue", "{s}", "--group", "g")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith(f"261 dead letters in {braced.dead_letters}")
+    again = cli("doctor", "--url", server.url, "--queue", "jobs", "--group", "workers")
+    assert again.returncode == 0, again.stdout
+
+
+async def test_doctor_warns_about_settings_that_lose_tasks(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    await redis.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        result = cli("doctor", "--url", server.url)
+    finally:
+        await redis.config_set("maxmemory-policy", "noeviction")
+    # Warnings, not findings: the exit code still reports the groups.
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("healthy: 1 stream, 1 group checked")
+    assert "warning [eviction-policy] server: maxmemory-policy is allkeys-lru" in (
+        result.stdout
+    )
+    # The suite's local servers run without persistence.
+    if server.local is not None:
+        assert "warning [no-persistence] server" in result.stdout
+    quiet = cli("doctor", "--url", server.url)
+    assert "eviction-policy" not in quiet.stdout

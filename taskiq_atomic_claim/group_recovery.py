@@ -1,0 +1,115 @@
+"""Re-creating a consumer group that vanished, without skipping anything.
+
+A group vanishes when the server restarts empty (no persistence), when its
+stream is evicted or deleted, or when an operator deletes it. Producers may
+have recreated the stream with new entries before a worker notices
+(NOGROUP): re-creating the group at ``$``, as taskiq-redis does, would put
+it after those entries, and they would never be delivered.
+
+Each worker remembers, per stream, the last id it knows the group delivered:
+the group's ``last-delivered-id`` read once at startup (XINFO GROUPS), then
+raised by every id it reads. On NOGROUP the group is re-created at
+
+- that remembered id, when the stream still holds the entry with that id:
+  the old history survived (the group alone was deleted, on purpose or
+  not), so entries the old group had delivered are not run again, and
+  every entry after it is delivered;
+- ``0`` otherwise: the stream is new (an empty restart, an evicted or
+  deleted stream recreated by XADD), so nothing in it was delivered before
+  whatever its ids (a server clock behind the old one's gives smaller
+  ids); or nothing is remembered; or the remembered entry was trimmed or
+  deleted, and old history cannot be told from new. Every entry in the
+  stream is delivered: at least once, never skipped.
+
+Entries the old group had delivered but not acked (its PEL) went with it:
+a task still running finishes; one whose worker had died is not re-run.
+Several workers may race: the first XGROUP CREATE wins (BUSYGROUP for the
+others); each candidate id is at most what the group had delivered before,
+and every entry after it is delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _groups(reply: Any) -> list[dict[str, Any]]:
+    """XINFO GROUPS as dicts, whether RESP2 (flat lists) or RESP3 (maps)."""
+    groups = []
+    for entry in reply or []:
+        group = (
+            entry
+            if isinstance(entry, dict)
+            else dict(zip(entry[::2], entry[1::2], strict=True))
+        )
+        groups.append({_text(k): v for k, v in group.items()})
+    return groups
+
+
+class GroupPositions:
+    """Per stream, the highest id this worker knows its group delivered."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}
+
+    def get(self, stream: str) -> str | None:
+        return self._last.get(stream)
+
+    def advance(self, stream: str, entry_id: str) -> None:
+        known = self._last.get(stream)
+        if known is None or _id_key(entry_id) > _id_key(known):
+            self._last[stream] = entry_id
+
+    async def learn(self, client: Any, streams: list[str], group: str) -> None:
+        """Read each group's last-delivered-id; never raises (a refused
+        XINFO leaves only what reads teach, logged at debug)."""
+        for stream in streams:
+            try:
+                reply = await client.execute_command("XINFO", "GROUPS", stream)
+            except (RedisError, OSError) as error:
+                logger.debug("Group position of %r not read: %s", stream, error)
+                continue
+            for info in _groups(reply):
+                if _text(info.get("name")) == group:
+                    self.advance(stream, _text(info["last-delivered-id"]))
+
+
+async def recreate_group(
+    client: Any, stream: str, group: str, remembered: str | None, mkstream: bool
+) -> str | None:
+    """Create ``group`` on ``stream`` where it skips nothing (module doc).
+
+    Returns the id it was created at; None when it already existed
+    (BUSYGROUP: another worker re-created it first).
+    """
+    start = "0"
+    if remembered is not None:
+        survived = await client.execute_command(
+            "XRANGE", stream, remembered, remembered
+        )
+        if survived:
+            start = remembered
+    args = ["XGROUP", "CREATE", stream, group, start]
+    if mkstream:
+        args.append("MKSTREAM")
+    try:
+        await client.execute_command(*args)
+    except ResponseError as error:
+        if str(error).startswith("BUSYGROUP"):
+            return None
+        raise
+    return start
