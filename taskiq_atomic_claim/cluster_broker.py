@@ -450,8 +450,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
         for stream, entries in fetched:
-            ids = {_text(entry_id) for entry_id, _ in entries}
-            self.in_flight.setdefault(_text(stream), set()).update(ids)
+            ids = [_text(entry_id) for entry_id, _ in entries]
+            self.in_flight.add(_text(stream), ids)
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, without its ``async with self.redis`` (see

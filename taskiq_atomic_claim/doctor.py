@@ -324,20 +324,23 @@ async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
 
 WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xreadgroup", "read new entries"),
-    ("xack", "acknowledge"),
+    ("xack", "acknowledge (inside ack)"),
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
-    ("xpending", "inside claim, set_idle, dead_letter"),
+    ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter"),
     ("xclaim", "inside set_idle (heartbeat, hand back)"),
     ("xrange", "inside claim, dead_letter"),
     ("get", "inside claim: lease holder, cursor"),
     ("set", "inside claim: lease, cursor (always with PX)"),
     ("del", "inside claim: finished cursor"),
     ("pttl", "inside claim: lease lifetime"),
-    ("pexpire", "inside claim: bound a lease written without expiry"),
+    ("pexpire", "inside claim: bound a lease written without expiry; start"),
+    ("hincrby", "inside start, hand_back: count a task's starts"),
+    ("hmget", "inside claim: start counts of the claimed entries"),
+    ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
 )
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
@@ -356,6 +359,7 @@ Keys, per stream S:
     ~taskiq-atomic-claim:lease:{S}:G
     ~taskiq-atomic-claim:cursor:{S}:G
     ~taskiq-atomic-claim:dead:{S}:G
+    ~taskiq-atomic-claim:started:{S}:G
   ({S} is S itself when S already has a hash tag.) Glob characters * ? [ ] \\
   in names are escaped; ASCII whitespace and NUL, which ACL patterns cannot
   hold, become ? (any one byte).
@@ -363,6 +367,7 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
+    +hincrby +hmget +hdel
   and, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
@@ -394,7 +399,7 @@ def worker_key_patterns(
     patterns: list[str] = []
     for stream in streams:
         keys = StreamKeys(stream, group)
-        for key in (stream, keys.lease, keys.cursor, keys.dead_letters):
+        for key in (stream, keys.lease, keys.cursor, keys.dead_letters, keys.started):
             patterns.append("~" + (acl_pattern(key) if literal else key))
     return list(dict.fromkeys(patterns))
 

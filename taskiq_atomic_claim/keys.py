@@ -54,8 +54,14 @@ class StreamKeys:
         """A stream (data, never expires) of entries the group gave up on."""
         return f"{PREFIX}:dead:{slot_anchor(self.stream)}:{self.group}"
 
+    @property
+    def started(self) -> str:
+        """A hash (coordination, always expires): entry id -> starts of its
+        task not followed by an ack; what max_deliveries counts."""
+        return f"{PREFIX}:started:{slot_anchor(self.stream)}:{self.group}"
+
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
         slot = key_slot(self.stream.encode())
-        keys = (self.lease, self.cursor, self.dead_letters)
+        keys = (self.lease, self.cursor, self.dead_letters, self.started)
         return all(key_slot(key.encode()) == slot for key in keys)

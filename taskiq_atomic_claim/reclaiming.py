@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from taskiq import AckableMessage
+from taskiq import AckableMessage, TaskiqMiddleware
+from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.in_flight import (
+    EntryAwareFormatter,
+    EntryData,
+    InFlight,
+    StartRecorder,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -31,7 +38,6 @@ logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-_SET_IDLE_BATCH = 1000
 _MAX_BACKOFF_S = 5.0
 
 
@@ -92,10 +98,10 @@ class ReclaimingListener:
     block: int
     count: int | None
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
+        formatter: TaskiqFormatter
+        middlewares: list[TaskiqMiddleware]
 
-        def _ack_generator(
-            self, id: str, queue_name: str
-        ) -> Callable[[], Awaitable[None]]: ...
+        def add_middlewares(self, *middlewares: TaskiqMiddleware) -> None: ...
 
         async def _declare_consumer_group(self) -> None: ...
 
@@ -109,10 +115,17 @@ class ReclaimingListener:
         self.scripts = ScriptRunner(
             on_reload=lambda: self.metrics.add("script_reloads", "*")
         )
-        # Delivered to this consumer and not yet acked, per stream: what the
-        # heartbeat keeps from being reclaimed, and what shutdown hands back.
-        self.in_flight: dict[str, set[str]] = {}
+        # Delivered to this consumer and not yet acked: what the heartbeat
+        # keeps from being reclaimed, and what shutdown hands back.
+        self.in_flight = InFlight(
+            self.scripts,
+            self.consumer_group_name,
+            self.consumer_name,
+            claim_settings,
+            self.metrics,
+        )
         self._heartbeat: asyncio.Task[None] | None = None
+        self._claim_error: Exception | None = None
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
         raise NotImplementedError
@@ -142,8 +155,8 @@ class ReclaimingListener:
             )
         if outcome.dead_lettered:
             logger.error(
-                "%d entries of stream %r were delivered more than %d times and"
-                " moved to dead letters %r: %s",
+                "%d entries of stream %r started %d times in workers that died"
+                " running them and were moved to dead letters %r: %s",
                 len(outcome.dead_lettered),
                 stream,
                 self.claim_settings.max_deliveries,
@@ -158,6 +171,7 @@ class ReclaimingListener:
 
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and, every claim interval, reclaimed ones."""
+        self._track_starts()
         self._start_heartbeat()
         interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
@@ -169,6 +183,7 @@ class ReclaimingListener:
                 _raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
+                    self._raise_deferred_claim_error()
                     if group_missing:
                         await self._declare_consumer_group()
                         group_missing = False
@@ -201,7 +216,7 @@ class ReclaimingListener:
                     continue
                 outage.succeeded()
                 for stream, entry_id, _ in batch:
-                    self.in_flight.setdefault(stream, set()).add(entry_id)
+                    self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     try:
                         message = await self._deliverable(
@@ -210,16 +225,42 @@ class ReclaimingListener:
                     except _UNREACHABLE as error:
                         # Dead-lettering failed: left pending and unheartbeated,
                         # it is reclaimed and tried again.
-                        self.in_flight[stream].discard(entry_id)
+                        self.in_flight.discard(stream, entry_id)
                         await outage.failed(error)
                         continue
                     if message is not None:
+                        self.in_flight.mark_yielded(stream, entry_id)
                         yield message
 
+    def _track_starts(self) -> None:
+        """Learn which entry each task comes from and when it starts: wrap
+        the formatter and add the middleware (once, on the worker side, after
+        the app configured both)."""
+        if not isinstance(self.formatter, EntryAwareFormatter):
+            self.formatter = EntryAwareFormatter(self.formatter, self.in_flight)
+        if not any(isinstance(m, StartRecorder) for m in self.middlewares):
+            self.add_middlewares(StartRecorder(self.in_flight, self._connection))
+
+    def _raise_deferred_claim_error(self) -> None:
+        """A claim that failed after other streams' claims took entries is
+        raised once those are delivered, to be handled as any failed call."""
+        error, self._claim_error = self._claim_error, None
+        if error is not None:
+            raise error
+
     async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
+        """Claim on every stream. A stream whose claim fails does not drop
+        what earlier streams' claims took (those entries are this consumer's
+        now): they are delivered, and the error is raised afterwards."""
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         for stream in self.streams:
-            outcome = await self.claim(client, stream)
+            try:
+                outcome = await self.claim(client, stream)
+            except Exception as error:
+                if not batch:
+                    raise
+                self._claim_error = error
+                break
             batch += [(stream, e.id, e.fields) for e in outcome.entries]
         return batch
 
@@ -245,8 +286,12 @@ class ReclaimingListener:
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
-        """The entry as a message; None once an entry taskiq cannot run (no
-        ``data`` field: written by something else) is moved to dead letters."""
+        """The entry as a message; None if this consumer no longer holds it
+        (handed back, or taken by another consumer), or once an entry taskiq
+        cannot run (no ``data`` field: written by something else) is moved to
+        dead letters."""
+        if not self.in_flight.holds(stream, entry_id):
+            return None
         data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
         if isinstance(data, str):
             data = data.encode()
@@ -256,7 +301,7 @@ class ReclaimingListener:
                 self.scripts, client, keys, entry_id, "no data field"
             )
             self.metrics.add("dead_lettered", stream)
-            self.in_flight.get(stream, set()).discard(entry_id)
+            self.in_flight.discard(stream, entry_id)
             logger.error(
                 "Entry %s of stream %r has no %r field; moved to dead letters %r",
                 entry_id,
@@ -265,10 +310,35 @@ class ReclaimingListener:
                 keys.dead_letters,
             )
             return None
-        return AckableMessage(data=data, ack=self._tracked_ack(stream, entry_id))
+        return AckableMessage(
+            data=EntryData(data, stream, entry_id),
+            ack=self._tracked_ack(stream, entry_id),
+        )
+
+    def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
+        """XACK and forget the entry's start count in one round trip; an
+        entry taskiq could not parse goes to dead letters instead."""
+
+        async def ack() -> None:
+            delivery = self.in_flight.get(stream, entry_id)
+            async with self._connection() as client:
+                if delivery is not None and delivery.unparsable is not None:
+                    await self.in_flight.dead_letter(
+                        client, delivery, delivery.unparsable
+                    )
+                    return
+                keys = StreamKeys(stream, self.consumer_group_name)
+                await self.scripts.call(
+                    client,
+                    "ack",
+                    [stream, keys.started],
+                    [self.consumer_group_name, entry_id],
+                )
+
+        return ack
 
     def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
-        ack = self._ack_generator(id=entry_id, queue_name=stream)
+        ack = self._ack_once(stream, entry_id)
 
         async def ack_and_forget() -> None:
             # A dropped connection must not fail the ack outright; if the
@@ -289,7 +359,7 @@ class ReclaimingListener:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 1.0)
             finally:
-                self.in_flight.get(stream, set()).discard(entry_id)
+                self.in_flight.discard(stream, entry_id)
 
         return ack_and_forget
 
@@ -327,7 +397,7 @@ class ReclaimingListener:
             _raise_if_cancel_was_swallowed()
             try:
                 async with self._connection() as client:
-                    await self.set_idle(client, 0)
+                    await self.in_flight.beat(client)
             except _UNREACHABLE as error:
                 await outage.failed(error)
             else:
@@ -335,20 +405,7 @@ class ReclaimingListener:
 
     async def set_idle(self, client: Any, idle_ms: int) -> None:
         """Set the idle time of every in-flight entry this consumer still owns."""
-        for stream, ids in list(self.in_flight.items()):
-            pending = sorted(ids)
-            for start in range(0, len(pending), _SET_IDLE_BATCH):
-                chunk = pending[start : start + _SET_IDLE_BATCH]
-                lost = await self.scripts.call(
-                    client,
-                    "set_idle",
-                    [stream],
-                    [self.consumer_group_name, self.consumer_name, idle_ms, *chunk],
-                )
-                if idle_ms == 0:
-                    self.metrics.add("heartbeats", stream)
-                for entry_id in map(_text, lost):
-                    ids.discard(entry_id)
+        await self.in_flight.set_idle(client, idle_ms, self.in_flight.deliveries())
 
     async def stop_heartbeat(self) -> None:
         task, self._heartbeat = self._heartbeat, None
@@ -373,16 +430,14 @@ class ReclaimingListener:
         they would wait out idle_timeout in the PEL.
         """
         await self.stop_heartbeat()
-        handed = sum(len(ids) for ids in self.in_flight.values())
-        if handed:
-            try:
-                async with self._connection() as client:
-                    await self.set_idle(client, self.claim_settings.idle_timeout)
-            except _UNREACHABLE as error:
-                logger.warning("Could not hand back %d entries: %s", handed, error)
-                return 0
-            for stream, ids in self.in_flight.items():
-                self.metrics.add("handed_back", stream, len(ids))
-            logger.info("Handed back %d unacked deliveries", handed)
-        self.in_flight.clear()
+        held = len(self.in_flight)
+        if not held:
+            return 0
+        try:
+            async with self._connection() as client:
+                handed = await self.in_flight.hand_back(client)
+        except _UNREACHABLE as error:
+            logger.warning("Could not hand back %d entries: %s", held, error)
+            return 0
+        logger.info("Handed back %d unacked deliveries", handed)
         return handed
