@@ -17,7 +17,7 @@ formatter wrapper can tie that callback task to the entry.
 
 What is held but not running never stays held for ever: an entry the
 receiver dropped (its callback ended without an ack) goes to dead letters; an
-entry not handed to taskiq within ``2 * idle_timeout`` is handed back.
+entry not handed to taskiq within ``3 * idle_timeout`` is handed back.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class InFlight:
         """One heartbeat: dead-letter what the receiver dropped, hand back
         what sat unread too long, keep the rest from being reclaimed."""
         await self.dead_letter_dropped(client)
-        await self.hand_back_unyielded(client, 2 * self.settings.idle_timeout / 1000)
+        await self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000)
         await self.set_idle(client, 0, self.deliveries())
 
     async def dead_letter_dropped(self, client: Any) -> None:

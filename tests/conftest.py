@@ -43,7 +43,13 @@ WORKER_USER = "tac-worker"
 WORKER_PASSWORD = "tac-worker-password"
 # Behaviour tests of workers: run as WORKER_USER.
 WORKER_ACL_MODULES = frozenset(
-    {"test_broker", "test_reliability", "test_dead_letters", "test_crash_drill"}
+    {
+        "test_broker",
+        "test_reliability",
+        "test_dead_letters",
+        "test_crash_drill",
+        "test_started_semantics",
+    }
 )
 # What those tests' workers read: queue "taskiq" with additional stream
 # "extra", and the crash drill's queues, all as group "taskiq".
