@@ -27,6 +27,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server
 from tests.started_app import POISON_TASK
 from tests.test_broker import message
+from tests.test_reliability import started
 
 REPO = Path(__file__).resolve().parent.parent
 IDLE_MS, INTERVAL_MS = 1000, 200
@@ -250,15 +251,6 @@ async def test_a_task_taskiq_drops_unacked_and_unparsable_data_are_dead_lettered
         assert bogus_id in log and garbage in log, "each says why in the log"
 
 
-async def started_broker(server: Server, **kwargs: Any) -> AtomicRedisStreamBroker:
-    kwargs.setdefault("idle_timeout", 600)
-    kwargs.setdefault("claim_interval", 100)
-    kwargs.setdefault("xread_block", 200)
-    broker = AtomicRedisStreamBroker(server.url, **kwargs)
-    await broker.startup()
-    return broker
-
-
 async def test_entries_read_but_never_handed_to_taskiq_are_handed_back(
     server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -266,8 +258,8 @@ async def test_entries_read_but_never_handed_to_taskiq_are_handed_back(
     # slot busy with a long task): the two others it read must not be
     # heartbeated for ever.
     idle_ms = 600
-    owner = await started_broker(server, consumer_name="owner", idle_timeout=idle_ms)
-    rival = await started_broker(server, consumer_name="rival", idle_timeout=idle_ms)
+    owner = await started(server, consumer_name="owner", idle_timeout=idle_ms)
+    rival = await started(server, consumer_name="rival", idle_timeout=idle_ms)
     try:
         for number in range(3):
             await owner.kick(message(f"m{number}"))
@@ -312,7 +304,7 @@ async def test_a_failed_claim_on_a_later_stream_keeps_what_earlier_ones_took(
     await redis.xclaim(
         "taskiq", "taskiq", "dead", 0, [orphan], idle=10 * idle_ms, justid=True
     )
-    broker = await started_broker(
+    broker = await started(
         server,
         consumer_name="claimer",
         idle_timeout=idle_ms,
