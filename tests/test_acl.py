@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, RedisError
+from taskiq import AckableMessage, TaskiqMessage
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
@@ -117,6 +118,10 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
                 steps.append("listen")
                 got.append(await asyncio.wait_for(listener.__anext__(), 3))
             assert sorted(m.data for m in got) == [b"new", b"orphan"]
+            # Start one (HINCRBY) as taskiq's receiver does: parse its data,
+            # then the middlewares' pre_execute, in one task.
+            steps.append("start")
+            await asyncio.create_task(start_as_the_receiver_does(broker, got[1]))
             # Held past a heartbeat, then acked one; hand back the other.
             await asyncio.sleep(IDLE_MS / 1000)
             steps.append("ack")
@@ -131,6 +136,16 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             await broker.shutdown()
         await redis.delete(jobs.lease, side.lease)
         steps.append("done")
+
+
+async def start_as_the_receiver_does(
+    broker: AtomicRedisStreamBroker, delivered: AckableMessage
+) -> None:
+    with contextlib.suppress(Exception):  # the test data is no taskiq message
+        broker.formatter.loads(delivered.data)
+    parsed = TaskiqMessage(task_id="t", task_name="t", labels={}, args=[], kwargs={})
+    for middleware in broker.middlewares:
+        await middleware.pre_execute(parsed)
 
 
 def _same(denied: str, command: str) -> bool:

@@ -180,10 +180,10 @@ async def test_graceful_restarts_never_dead_letter_tasks_that_never_started(
                 workers.append(queue.worker(f"w{restart}", "--max-async-tasks", "2"))
                 # Stopped while running its first tasks, the rest unstarted
                 # (none left to start: the dead letters below tell why).
-                started = await queue.wait_for_a_start(f"w{restart}", 30)
+                began = await queue.wait_for_a_start(f"w{restart}", 30)
                 await asyncio.sleep(0.3)
                 stop_gracefully(workers[-1])
-                if not started:
+                if not began:
                     break
             workers.append(queue.worker("last", "--max-async-tasks", "2"))
             done = await queue.wait_until_finished(runs, 60)
