@@ -50,9 +50,10 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             (as in the parent); by default one claim interval, never forever.
         :param claim_interval: ms between reclaim cycles; by default
             min(1000, idle_timeout // 2). Must be below idle_timeout.
-        :param max_deliveries: an entry delivered more often than this
-            (worker crashes included) goes to the dead-letter stream instead
-            of crash-looping the fleet; None never gives up.
+        :param max_deliveries: an entry whose task started this many times
+            in workers that died running it goes to the dead-letter stream
+            at the next reclaim; deliveries never started do not count.
+            None never gives up.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,

@@ -367,8 +367,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         :param xread_count: entries one XREADGROUP returns at most (per slot).
         :param claim_interval: ms between reclaim cycles; by default
             min(1000, idle_timeout // 2). Must be below idle_timeout.
-        :param max_deliveries: an entry delivered more often than this goes
-            to the dead-letter stream; None never gives up.
+        :param max_deliveries: an entry whose task started this many times
+            in workers that died running it goes to the dead-letter stream
+            at the next reclaim; deliveries never started do not count.
+            None never gives up.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
