@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, RedisError
-from taskiq import AckableMessage, TaskiqMessage
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
@@ -42,6 +41,7 @@ from tests.conftest import (
     Server,
     with_user,
 )
+from tests.receiver import start_as_the_receiver_does
 
 USER, PASSWORD = "acl-test-worker", "acl-test-password"
 QUEUE, SIDE, GROUP = "jobs", "side", "workers"
@@ -136,16 +136,6 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             await broker.shutdown()
         await redis.delete(jobs.lease, side.lease)
         steps.append("done")
-
-
-async def start_as_the_receiver_does(
-    broker: AtomicRedisStreamBroker, delivered: AckableMessage
-) -> None:
-    with contextlib.suppress(Exception):  # the test data is no taskiq message
-        broker.formatter.loads(delivered.data)
-    parsed = TaskiqMessage(task_id="t", task_name="t", labels={}, args=[], kwargs={})
-    for middleware in broker.middlewares:
-        await middleware.pre_execute(parsed)
 
 
 def _same(denied: str, command: str) -> bool:
