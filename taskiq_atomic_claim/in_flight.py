@@ -245,8 +245,13 @@ class InFlight:
             task = delivery.task
             assert task is not None
             error = task.exception()
-            why = f": {type(error).__name__}: {error}" if error else ""
-            reason = _bounded(f"taskiq dropped it after starting it, unacked{why}")
+            if error is None:  # e.g. a manual-ack task that never acked
+                reason = "its task ended without acking it"
+            else:
+                reason = _bounded(
+                    "taskiq's receiver raised after starting it, without acking:"
+                    f" {type(error).__name__}: {error}"
+                )
             await self.dead_letter(client, delivery, reason)
 
     async def dead_letter(self, client: Any, delivery: Delivery, reason: str) -> None:

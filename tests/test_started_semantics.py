@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
+from taskiq.receiver import Receiver
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.dead_letters import DeadLetter, list_dead_letters
@@ -25,6 +26,7 @@ from taskiq_atomic_claim.drill import Events, _taskiq_command
 from taskiq_atomic_claim.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server
+from tests.receiver import start_as_the_receiver_does
 from tests.started_app import POISON_TASK
 from tests.test_broker import message
 from tests.test_reliability import started
@@ -318,3 +320,56 @@ async def test_a_failed_claim_on_a_later_stream_keeps_what_earlier_ones_took(
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
+
+
+async def test_a_manual_ack_task_that_never_acks_is_dead_lettered(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server, consumer_name="w")
+
+    @broker.task(task_name="forgets", ack_type="manual")
+    async def forgets() -> None:
+        return None
+
+    try:
+        await forgets.kiq()
+        delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
+        [pending] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 1)
+        entry_id = pending["message_id"].decode()
+        # taskiq's own receiver, in a task of its own as in a worker.
+        receiver = Receiver(broker, run_startup=False)
+        await asyncio.create_task(receiver.callback(delivered))
+        keys = StreamKeys("taskiq", "taskiq")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if await redis.exists(keys.dead_letters):
+                break
+            await asyncio.sleep(0.1)
+        [dead] = await list_dead_letters(redis, keys)
+        assert dead.original_id == entry_id
+        assert dead.reason == "its task ended without acking it"
+        assert broker.in_flight["taskiq"] == set()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
+
+
+async def test_a_graceful_hand_back_takes_back_the_starts_it_recorded(
+    server: Server, redis: Redis
+) -> None:
+    keys = StreamKeys("taskiq", "taskiq")
+    leaving = await started(server, consumer_name="leaving", idle_timeout=30_000)
+    try:
+        await leaving.kick(message("interrupted"))
+        await leaving.kick(message("never-started"))
+        listener = leaving.listen()
+        running = await asyncio.wait_for(listener.__anext__(), 5)
+        await asyncio.create_task(start_as_the_receiver_does(leaving, running))
+        entry_id = running.data.entry_id  # type: ignore[attr-defined]
+        assert await redis.hget(keys.started, entry_id) == b"1"
+        assert await redis.pttl(keys.started) > 0
+        assert await leaving.hand_back() == 2
+        assert await redis.hexists(keys.started, entry_id) is False
+        assert await redis.exists(keys.started) == 0
+    finally:
+        await leaving.shutdown()
