@@ -205,11 +205,20 @@ class InFlight:
                 async with connect() as client:
                     for stream, waiting in batches.items():
                         await self._call_start(client, stream, waiting)
-            except Exception as error:
+            except BaseException as error:
+                # Never leave a task waiting to start: a cancelled flush
+                # (loop shutting down) fails its waiters as well.
+                failure = (
+                    error
+                    if isinstance(error, Exception)
+                    else RuntimeError("recording the start was cancelled")
+                )
                 for waiting in batches.values():
                     for _, waiter in waiting:
                         if not waiter.done():
-                            waiter.set_exception(error)
+                            waiter.set_exception(failure)
+                if not isinstance(error, Exception):
+                    raise
 
     async def _call_start(
         self,
