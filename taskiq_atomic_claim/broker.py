@@ -87,10 +87,17 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             additional_streams=additional_streams,
             **connection_kwargs,
         )
+        self._client: Redis | None = None
         self._init_reclaim(claim_settings)
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
-        return Redis(connection_pool=self.connection_pool)
+        # One client over the parent's pool, made once: building a Redis
+        # object costs about as much as a round trip, and every ack and task
+        # start asks for one. Leaving the context closes nothing (the pool
+        # belongs to the broker; its shutdown disconnects it).
+        if self._client is None:
+            self._client = Redis(connection_pool=self.connection_pool)
+        return contextlib.nullcontext(self._client)
 
     async def startup(self) -> None:
         await super().startup()

@@ -199,6 +199,8 @@ class InFlight:
             )
 
     async def _flush_starts(self, connect: Connect) -> None:
+        # Let the callbacks scheduled beside this one reach their start too.
+        await asyncio.sleep(0)
         while self._starts:
             batches, self._starts = self._starts, {}
             try:
