@@ -22,7 +22,6 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
-from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.in_flight import (
     EntryAwareFormatter,
     EntryData,
@@ -296,19 +295,10 @@ class ReclaimingListener:
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes):
-            keys = StreamKeys(stream, self.consumer_group_name)
-            await move_to_dead_letters(
-                self.scripts, client, keys, entry_id, "no data field"
-            )
-            self.metrics.add("dead_lettered", stream)
-            self.in_flight.discard(stream, entry_id)
-            logger.error(
-                "Entry %s of stream %r has no %r field; moved to dead letters %r",
-                entry_id,
-                stream,
-                _DATA_FIELD.decode(),
-                keys.dead_letters,
-            )
+            delivery = self.in_flight.get(stream, entry_id)
+            assert delivery is not None  # held: checked above
+            reason = f"no {_DATA_FIELD.decode()} field"
+            await self.in_flight.dead_letter(client, delivery, reason)
             return None
         return AckableMessage(
             data=EntryData(data, stream, entry_id),
