@@ -6,6 +6,8 @@
   KEYS[2]  lease key                 coordination: holder name, always expires
   KEYS[3]  cursor key                coordination: XAUTOCLAIM cursor, always expires
   KEYS[4]  dead-letter stream        data, never given an expiry
+  KEYS[5]  started hash              coordination, always expires: entry id ->
+                                     starts not followed by an ack (start.lua)
 
   ARGV[1]  group
   ARGV[2]  consumer                  the claimer, recorded as lease holder
@@ -14,8 +16,11 @@
   ARGV[5]  lease_ms                  lease lifetime
   ARGV[6]  cursor_ttl_ms             cursor lifetime
   ARGV[7]  max_deliveries            0: never dead-letter; else an entry
-                                     delivered more often (crashes included)
-                                     goes to KEYS[4] instead of the claimer
+                                     whose task started max_deliveries times
+                                     in workers that died running it goes to
+                                     KEYS[4] instead of the claimer. Reads
+                                     and hand-backs of entries that never
+                                     started do not count.
 
   Returns one of
     {"skipped", holder, lease_pttl_ms}
@@ -24,8 +29,8 @@
      {dead_lettered_id, ...}}
         entries now owned by ARGV[2]; trimmed ids were pending but their
         stream entry is gone (trimmed or XDEL'd) and were removed from the PEL;
-        dead-lettered ids exceeded max_deliveries, were copied to KEYS[4] and
-        acked.
+        dead-lettered ids reached max_deliveries crashes, were copied to
+        KEYS[4] and acked, and their start counts deleted.
 
   Invariant: the lease and the cursor key never exist without an expiry,
   whatever wrote them. The script runs atomically, so no client crash can
@@ -36,6 +41,7 @@
 --- @include "move_to_dead_letters"
 
 local stream, lease_key, cursor_key, dead_letters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local started = KEYS[5]
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, count = ARGV[3], ARGV[4]
 local lease_ms, cursor_ttl_ms = ARGV[5], ARGV[6]
@@ -60,20 +66,10 @@ local next_cursor = reply[1]
 
 local claimed, trimmed, dead_lettered = {}, {}, {}
 local saw_vanished_entry = false
+local present = {}
 for _, entry in ipairs(reply[2]) do
   if entry then
-    local deliveries = 0
-    if max_deliveries > 0 then
-      -- XAUTOCLAIM counted this delivery already.
-      deliveries = redis.call("XPENDING", stream, group, entry[1], entry[1], 1)[1][4]
-    end
-    if max_deliveries > 0 and deliveries > max_deliveries then
-      move_to_dead_letters(stream, dead_letters, group, entry[1], entry[2], deliveries,
-        "max_deliveries exceeded")
-      dead_lettered[#dead_lettered + 1] = entry[1]
-    else
-      claimed[#claimed + 1] = entry
-    end
+    present[#present + 1] = entry
   else
     -- Redis 6.2 returns a nil in place of an entry that is gone from the
     -- stream and leaves it in the PEL; 7.x lists it in reply[3] instead.
@@ -81,9 +77,32 @@ for _, entry in ipairs(reply[2]) do
   end
 end
 
+-- One hash read for the whole batch: how often each entry's task started
+-- in a worker that then died without acking it (or handing it back).
+local crashes = {}
+if max_deliveries > 0 and #present > 0 then
+  local ids = {}
+  for i, entry in ipairs(present) do
+    ids[i] = entry[1]
+  end
+  crashes = redis.call("HMGET", started, unpack(ids))
+end
+for i, entry in ipairs(present) do
+  local crash_count = tonumber(crashes[i]) or 0
+  if max_deliveries > 0 and crash_count >= max_deliveries then
+    move_to_dead_letters(stream, dead_letters, group, entry[1], entry[2], crash_count,
+      "max_deliveries exceeded")
+    redis.call("HDEL", started, entry[1])
+    dead_lettered[#dead_lettered + 1] = entry[1]
+  else
+    claimed[#claimed + 1] = entry
+  end
+end
+
 if reply[3] then
   for _, id in ipairs(reply[3]) do
     trimmed[#trimmed + 1] = id
+    redis.call("HDEL", started, id)
   end
 end
 
@@ -100,6 +119,7 @@ if saw_vanished_entry then
     local id = pending[1]
     if #redis.call("XRANGE", stream, id, id) == 0 then
       redis.call("XACK", stream, group, id)
+      redis.call("HDEL", started, id)
       trimmed[#trimmed + 1] = id
     end
   end

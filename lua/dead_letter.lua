@@ -1,9 +1,12 @@
 --[[
   dead_letter: move one pending entry the broker cannot run (e.g. it has no
-  "data" field) to the dead-letter stream and ack it from the group.
+  "data" field, data its formatter cannot parse, or a task the receiver
+  dropped unacked) to the dead-letter stream and ack it from the group.
 
   KEYS[1]  stream                    data
   KEYS[2]  dead-letter stream        data, never given an expiry
+  KEYS[3]  started hash              coordination, always expires: the
+                                     entry's start count is deleted
 
   ARGV[1]  group
   ARGV[2]  entry id
@@ -18,9 +21,10 @@
 
 --- @include "move_to_dead_letters"
 
-local stream, dead_letters = KEYS[1], KEYS[2]
+local stream, dead_letters, started = KEYS[1], KEYS[2], KEYS[3]
 local group, id, reason = ARGV[1], ARGV[2], ARGV[3]
 
+redis.call("HDEL", started, id)
 local found = redis.call("XRANGE", stream, id, id)
 if #found == 0 then
   redis.call("XACK", stream, group, id)

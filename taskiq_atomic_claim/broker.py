@@ -50,9 +50,10 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             (as in the parent); by default one claim interval, never forever.
         :param claim_interval: ms between reclaim cycles; by default
             min(1000, idle_timeout // 2). Must be below idle_timeout.
-        :param max_deliveries: an entry delivered more often than this
-            (worker crashes included) goes to the dead-letter stream instead
-            of crash-looping the fleet; None never gives up.
+        :param max_deliveries: an entry whose task started this many times
+            in workers that died running it goes to the dead-letter stream
+            at the next reclaim; deliveries never started do not count.
+            None never gives up.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -88,10 +89,17 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             additional_streams=additional_streams,
             **connection_kwargs,
         )
+        self._client: Redis | None = None
         self._init_reclaim(claim_settings)
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
-        return Redis(connection_pool=self.connection_pool)
+        # One client over the parent's pool, made once: building a Redis
+        # object costs about as much as a round trip, and every ack and task
+        # start asks for one. Leaving the context closes nothing (the pool
+        # belongs to the broker; its shutdown disconnects it).
+        if self._client is None:
+            self._client = Redis(connection_pool=self.connection_pool)
+        return contextlib.nullcontext(self._client)
 
     async def startup(self) -> None:
         await super().startup()

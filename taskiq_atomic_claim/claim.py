@@ -26,7 +26,8 @@ class ClaimOutcome:
     entries: list[ClaimedEntry] = field(default_factory=list)
     # Pending entries whose stream data was gone: removed from the PEL.
     trimmed: list[str] = field(default_factory=list)
-    # Delivered more than max_deliveries times: moved to the dead letters.
+    # Started max_deliveries times in workers that died: moved to the dead
+    # letters.
     dead_lettered: list[str] = field(default_factory=list)
     next_cursor: str = "0-0"
     lease_holder: str | None = None
@@ -71,7 +72,7 @@ async def claim_idle_entries(
     reply = await runner.call(
         client,
         "claim",
-        [keys.stream, keys.lease, keys.cursor, keys.dead_letters],
+        [keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started],
         [
             keys.group,
             consumer,

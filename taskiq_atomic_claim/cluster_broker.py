@@ -349,8 +349,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         :param xread_count: entries one XREADGROUP returns at most (per slot).
         :param claim_interval: ms between reclaim cycles; by default
             min(1000, idle_timeout // 2). Must be below idle_timeout.
-        :param max_deliveries: an entry delivered more often than this goes
-            to the dead-letter stream; None never gives up.
+        :param max_deliveries: an entry whose task started this many times
+            in workers that died running it goes to the dead-letter stream
+            at the next reclaim; deliveries never started do not count.
+            None never gives up.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
@@ -434,8 +436,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
         for stream, entries in fetched:
-            ids = {_text(entry_id) for entry_id, _ in entries}
-            self.in_flight.setdefault(_text(stream), set()).update(ids)
+            ids = [_text(entry_id) for entry_id, _ in entries]
+            self.in_flight.add(_text(stream), ids)
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, without its ``async with self.redis`` (see

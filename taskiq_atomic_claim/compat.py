@@ -77,8 +77,3 @@ def check_stack() -> None:
         raise UnsupportedStackError(
             "taskiq-atomic-claim cannot run on this stack: " + "; ".join(problems)
         )
-
-
-# taskiq < 0.13's receiver returns without acking a message it cannot parse
-# or whose task it does not know; 0.13 acks it.
-RECEIVER_ACKS_WHAT_IT_SKIPS = release(_installed_version("taskiq") or "0") >= (0, 13)

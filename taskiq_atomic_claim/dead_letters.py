@@ -86,7 +86,7 @@ async def move_to_dead_letters(
     reply = await runner.call(
         client,
         "dead_letter",
-        [keys.stream, keys.dead_letters],
+        [keys.stream, keys.dead_letters, keys.started],
         [keys.group, entry_id, reason],
     )
     return _text(reply[0]) if reply else None

@@ -376,21 +376,24 @@ async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
 
 WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xreadgroup", "read new entries"),
-    ("xack", "acknowledge"),
+    ("xack", "acknowledge (inside ack)"),
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
     ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
-    ("xpending", "inside claim, set_idle, dead_letter"),
+    ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter"),
     ("xclaim", "inside set_idle (heartbeat, hand back)"),
     ("xrange", "inside claim, dead_letter"),
     ("get", "inside claim: lease holder, cursor"),
     ("set", "inside claim: lease, cursor (always with PX)"),
     ("del", "inside claim: finished cursor"),
     ("pttl", "inside claim: lease lifetime"),
-    ("pexpire", "inside claim: bound a lease written without expiry"),
+    ("pexpire", "inside claim: bound a lease written without expiry; start"),
+    ("hincrby", "inside start, hand_back: count a task's starts"),
+    ("hmget", "inside claim: start counts of the claimed entries"),
+    ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
 )
 # taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
 # worker SETs results (with EX/PX when given), whoever waits reads them.
@@ -415,6 +418,7 @@ Keys, per stream S:
     ~taskiq-atomic-claim:lease:{S}:S:G
     ~taskiq-atomic-claim:cursor:{S}:S:G
     ~taskiq-atomic-claim:dead:{S}:S:G
+    ~taskiq-atomic-claim:started:{S}:S:G
   (Inside the braces, the part of S Redis hashes: its hash tag, or all of
   S; after them, S with % and : percent-encoded; see keys.py.)
   Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
@@ -423,6 +427,7 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
+    +hincrby +hmget +hdel
   and, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
@@ -458,7 +463,7 @@ def worker_key_patterns(
     patterns: list[str] = []
     for stream in streams:
         keys = StreamKeys(stream, group)
-        for key in (stream, keys.lease, keys.cursor, keys.dead_letters):
+        for key in (stream, keys.lease, keys.cursor, keys.dead_letters, keys.started):
             patterns.append("~" + (acl_pattern(key) if literal else key))
     return list(dict.fromkeys(patterns))
 

@@ -93,8 +93,14 @@ class StreamKeys:
         ``s`` and ``{s}``); ``doctor --fix`` moves them to ``dead_letters``."""
         return f"{PREFIX}:dead:{legacy_slot_anchor(self.stream)}:{self.group}"
 
+    @property
+    def started(self) -> str:
+        """A hash (coordination, always expires): entry id -> starts of its
+        task not followed by an ack; what max_deliveries counts."""
+        return f"{PREFIX}:started:{slot_anchor(self.stream)}:{self.group}"
+
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
         slot = key_slot(self.stream.encode())
-        keys = (self.lease, self.cursor, self.dead_letters)
+        keys = (self.lease, self.cursor, self.dead_letters, self.started)
         return all(key_slot(key.encode()) == slot for key in keys)

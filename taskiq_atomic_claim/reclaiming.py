@@ -19,14 +19,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from taskiq import AckableMessage, AsyncTaskiqDecoratedTask, TaskiqFormatter
+from taskiq import AckableMessage, TaskiqMiddleware
+from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
-from taskiq_atomic_claim.compat import RECEIVER_ACKS_WHAT_IT_SKIPS
-from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
+from taskiq_atomic_claim.in_flight import (
+    SCRIPT_BATCH,
+    EntryAwareFormatter,
+    EntryData,
+    InFlight,
+    StartRecorder,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -37,7 +43,6 @@ logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-_SET_IDLE_BATCH = 1000
 # No reply within this (beyond a read's own block) means the connection is
 # dead, e.g. half-open after a host vanished: without a socket_timeout
 # redis-py would wait for ever. Generous, as a busy server stalls for seconds.
@@ -89,18 +94,12 @@ class ReclaimingListener:
     additional_streams: dict[str, str | int]
     block: int
     count: int | None
-    formatter: TaskiqFormatter
-    is_worker_process: bool
     mkstream: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
+        formatter: TaskiqFormatter
+        middlewares: list[TaskiqMiddleware]
 
-        def find_task(
-            self, task_name: str
-        ) -> AsyncTaskiqDecoratedTask[Any, Any] | None: ...
-
-        def _ack_generator(
-            self, id: str, queue_name: str
-        ) -> Callable[[], Awaitable[None]]: ...
+        def add_middlewares(self, *middlewares: TaskiqMiddleware) -> None: ...
 
     claim_settings: ClaimSettings
     scripts: ScriptRunner
@@ -112,11 +111,18 @@ class ReclaimingListener:
         self.scripts = ScriptRunner(
             on_reload=lambda: self.metrics.add("script_reloads", "*")
         )
-        # Delivered to this consumer and not yet acked, per stream: what the
-        # heartbeat keeps from being reclaimed, and what shutdown hands back.
-        self.in_flight: dict[str, set[str]] = {}
+        # Delivered to this consumer and not yet acked: what the heartbeat
+        # keeps from being reclaimed, and what shutdown hands back.
+        self.in_flight = InFlight(
+            self.scripts,
+            self.consumer_group_name,
+            self.consumer_name,
+            claim_settings,
+            self.metrics,
+        )
         self.group_positions = GroupPositions()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._claim_error: Exception | None = None
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -153,8 +159,8 @@ class ReclaimingListener:
             )
         if outcome.dead_lettered:
             logger.error(
-                "%d entries of stream %r were delivered more than %d times and"
-                " moved to dead letters %r: %s",
+                "%d entries of stream %r started %d times in workers that died"
+                " running them and were moved to dead letters %r: %s",
                 len(outcome.dead_lettered),
                 stream,
                 self.claim_settings.max_deliveries,
@@ -169,6 +175,7 @@ class ReclaimingListener:
 
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and, every claim interval, reclaimed ones."""
+        self._track_starts()
         self._start_heartbeat()
         interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
@@ -184,6 +191,7 @@ class ReclaimingListener:
                 _raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
+                    self._raise_deferred_claim_error()
                     if recreate_group:
                         await self.recreate_groups(client)
                         recreate_group = False
@@ -212,7 +220,7 @@ class ReclaimingListener:
                     outage.succeeded()
                 group_gone = False
                 for stream, entry_id, _ in batch:
-                    self.in_flight.setdefault(stream, set()).add(entry_id)
+                    self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     try:
                         message = await self._deliverable(
@@ -223,10 +231,11 @@ class ReclaimingListener:
                             raise
                         # Dead-lettering failed: left pending and unheartbeated,
                         # it is reclaimed and tried again.
-                        self.in_flight[stream].discard(entry_id)
+                        self.in_flight.discard(stream, entry_id)
                         await outage.wait(error)
                         continue
                     if message is not None:
+                        self.in_flight.mark_yielded(stream, entry_id)
                         yield message
 
     async def _wait_out(
@@ -261,10 +270,35 @@ class ReclaimingListener:
         await outage.wait(error)
         return False
 
+    def _track_starts(self) -> None:
+        """Learn which entry each task comes from and when it starts: wrap
+        the formatter and add the middleware (once, on the worker side, after
+        the app configured both)."""
+        if not isinstance(self.formatter, EntryAwareFormatter):
+            self.formatter = EntryAwareFormatter(self.formatter, self.in_flight)
+        if not any(isinstance(m, StartRecorder) for m in self.middlewares):
+            self.add_middlewares(StartRecorder(self.in_flight, self._connection))
+
+    def _raise_deferred_claim_error(self) -> None:
+        """A claim that failed after other streams' claims took entries is
+        raised once those are delivered, to be handled as any failed call."""
+        error, self._claim_error = self._claim_error, None
+        if error is not None:
+            raise error
+
     async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
+        """Claim on every stream. A stream whose claim fails does not drop
+        what earlier streams' claims took (those entries are this consumer's
+        now): they are delivered, and the error is raised afterwards."""
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         for stream in self.streams:
-            outcome = await self.claim(client, stream)
+            try:
+                outcome = await self.claim(client, stream)
+            except Exception as error:
+                if not batch:
+                    raise
+                self._claim_error = error
+                break
             batch += [(stream, e.id, e.fields) for e in outcome.entries]
         return batch
 
@@ -333,48 +367,50 @@ class ReclaimingListener:
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
-        """The entry as a message; None once an entry taskiq cannot run (no
-        ``data`` field: written by something else) is moved to dead letters."""
+        """The entry as a message; None if this consumer no longer holds it
+        (handed back, or taken by another consumer), or once an entry taskiq
+        cannot run (no ``data`` field: written by something else) is moved to
+        dead letters."""
+        if not self.in_flight.holds(stream, entry_id):
+            return None
         data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes):
-            keys = StreamKeys(stream, self.consumer_group_name)
-            await move_to_dead_letters(
-                self.scripts, client, keys, entry_id, "no data field"
-            )
-            self.metrics.add("dead_lettered", stream)
-            self.in_flight.get(stream, set()).discard(entry_id)
-            logger.error(
-                "Entry %s of stream %r has no %r field; moved to dead letters %r",
-                entry_id,
-                stream,
-                _DATA_FIELD.decode(),
-                keys.dead_letters,
-            )
+            delivery = self.in_flight.get(stream, entry_id)
+            assert delivery is not None  # held: checked above
+            reason = f"no {_DATA_FIELD.decode()} field"
+            await self.in_flight.dead_letter(client, delivery, reason)
             return None
-        if not RECEIVER_ACKS_WHAT_IT_SKIPS and not self._runnable(data):
-            # taskiq 0.12's receiver will skip it without an ack: heartbeating
-            # it would keep it pending here forever. Left to turn idle, it is
-            # reclaimed (perhaps by a worker that knows the task) and, past
-            # max_deliveries, dead-lettered.
-            self.in_flight.get(stream, set()).discard(entry_id)
-        return AckableMessage(data=data, ack=self._tracked_ack(stream, entry_id))
+        return AckableMessage(
+            data=EntryData(data, stream, entry_id),
+            ack=self._tracked_ack(stream, entry_id),
+        )
 
-    def _runnable(self, data: bytes) -> bool:
-        """Whether this process's receiver can run the message (only a worker
-        process's receiver takes what ``listen`` yields)."""
-        if not self.is_worker_process:
-            return True
-        try:
-            message = self.formatter.loads(data)
-            message.parse_labels()
-        except Exception:  # the receiver's own test: anything it raises
-            return False
-        return self.find_task(message.task_name) is not None
+    def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
+        """XACK and forget the entry's start count in one round trip; an
+        entry taskiq could not parse goes to dead letters instead."""
+
+        async def ack() -> None:
+            delivery = self.in_flight.get(stream, entry_id)
+            async with self._connection() as client:
+                if delivery is not None and delivery.unparsable is not None:
+                    await self.in_flight.dead_letter(
+                        client, delivery, delivery.unparsable
+                    )
+                    return
+                keys = StreamKeys(stream, self.consumer_group_name)
+                await self.scripts.call(
+                    client,
+                    "ack",
+                    [stream, keys.started],
+                    [self.consumer_group_name, entry_id],
+                )
+
+        return ack
 
     def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
-        ack = self._ack_generator(id=entry_id, queue_name=stream)
+        ack = self._ack_once(stream, entry_id)
 
         async def ack_and_forget() -> None:
             # An outage must not fail the ack outright; if the server stays
@@ -399,7 +435,7 @@ class ReclaimingListener:
                         self._ack_backoff.succeeded()
                         return
             finally:
-                self.in_flight.get(stream, set()).discard(entry_id)
+                self.in_flight.discard(stream, entry_id)
 
         return ack_and_forget
 
@@ -453,7 +489,7 @@ class ReclaimingListener:
             try:
                 async with self._connection() as client:
                     await within(
-                        REPLY_MARGIN_S * self._beat_calls, self.set_idle(client, 0)
+                        REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
                     )
             except Exception as error:
                 delay = outage.failed(error)
@@ -465,25 +501,16 @@ class ReclaimingListener:
     def _beat_calls(self) -> int:
         """Script calls one heartbeat makes, at least one."""
         return max(
-            1, sum(-(-len(ids) // _SET_IDLE_BATCH) for ids in self.in_flight.values())
+            1,
+            sum(
+                -(-len(self.in_flight[stream]) // SCRIPT_BATCH)
+                for stream in self.in_flight.streams()
+            ),
         )
 
     async def set_idle(self, client: Any, idle_ms: int) -> None:
         """Set the idle time of every in-flight entry this consumer still owns."""
-        for stream, ids in list(self.in_flight.items()):
-            pending = sorted(ids)
-            for start in range(0, len(pending), _SET_IDLE_BATCH):
-                chunk = pending[start : start + _SET_IDLE_BATCH]
-                lost = await self.scripts.call(
-                    client,
-                    "set_idle",
-                    [stream],
-                    [self.consumer_group_name, self.consumer_name, idle_ms, *chunk],
-                )
-                if idle_ms == 0:
-                    self.metrics.add("heartbeats", stream)
-                for entry_id in map(_text, lost):
-                    ids.discard(entry_id)
+        await self.in_flight.set_idle(client, idle_ms, self.in_flight.deliveries())
 
     async def stop_heartbeat(self) -> None:
         task, self._heartbeat = self._heartbeat, None
@@ -508,16 +535,14 @@ class ReclaimingListener:
         they would wait out idle_timeout in the PEL.
         """
         await self.stop_heartbeat()
-        handed = sum(len(ids) for ids in self.in_flight.values())
-        if handed:
-            try:
-                async with self._connection() as client:
-                    await self.set_idle(client, self.claim_settings.idle_timeout)
-            except _UNREACHABLE as error:
-                logger.warning("Could not hand back %d entries: %s", handed, error)
-                return 0
-            for stream, ids in self.in_flight.items():
-                self.metrics.add("handed_back", stream, len(ids))
-            logger.info("Handed back %d unacked deliveries", handed)
-        self.in_flight.clear()
+        held = len(self.in_flight)
+        if not held:
+            return 0
+        try:
+            async with self._connection() as client:
+                handed = await self.in_flight.hand_back(client)
+        except _UNREACHABLE as error:
+            logger.warning("Could not hand back %d entries: %s", held, error)
+            return 0
+        logger.info("Handed back %d unacked deliveries", handed)
         return handed

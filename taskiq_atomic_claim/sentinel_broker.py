@@ -110,8 +110,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         :param claim_interval: ms between reclaim cycles, and at most how
             long the loop stays on a master the sentinels have replaced; by
             default min(1000, idle_timeout // 2). Must be below idle_timeout.
-        :param max_deliveries: an entry delivered more often than this goes
-            to the dead-letter stream; None never gives up.
+        :param max_deliveries: an entry whose task started this many times
+            in workers that died running it goes to the dead-letter stream
+            at the next reclaim; deliveries never started do not count.
+            None never gives up.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,

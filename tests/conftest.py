@@ -91,6 +91,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_dead_letters",
         "test_crash_drill",
         "test_faults",
+        "test_started_semantics",
     }
 )
 # What those tests' workers read: queue "taskiq" with additional stream

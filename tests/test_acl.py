@@ -45,6 +45,7 @@ from tests.conftest import (
     acl_log_entries,
     with_user,
 )
+from tests.receiver import start_as_the_receiver_does
 
 USER, PASSWORD = "acl-test-worker", "acl-test-password"
 QUEUE, SIDE, GROUP = "jobs", "side", "workers"
@@ -124,6 +125,10 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
                 steps.append("listen")
                 got.append(await asyncio.wait_for(listener.__anext__(), 3))
             assert sorted(m.data for m in got) == [b"new", b"orphan"]
+            # Start one (HINCRBY) as taskiq's receiver does: parse its data,
+            # then the middlewares' pre_execute, in one task.
+            steps.append("start")
+            await asyncio.create_task(start_as_the_receiver_does(broker, got[1]))
             # Held past a heartbeat, then acked one; hand back the other.
             await asyncio.sleep(IDLE_MS / 1000)
             steps.append("ack")

@@ -216,3 +216,24 @@ async def test_never_loaded_scripts_load_on_first_call(redis: Redis) -> None:
     outcome = await claim(redis, "alive", settings(idle_timeout=60_000), runner)
     assert not outcome.skipped
     assert runner.reloads == 1
+
+
+async def calls_of(redis: Redis, command: str) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_claim_reads_the_batch_s_start_counts_with_one_hmget(
+    redis: Redis,
+) -> None:
+    # Commands a script runs count in INFO commandstats: a claim of 50 idle
+    # entries costs one HMGET, not one XPENDING per entry.
+    await pending_for(redis, "dead", 50)
+    await asyncio.sleep(0.05)
+    runner = ScriptRunner()
+    await runner.load(redis)
+    xpending, hmget = await calls_of(redis, "xpending"), await calls_of(redis, "hmget")
+    outcome = await claim(redis, "alive", settings(), runner)
+    assert len(outcome.entries) == 50
+    assert await calls_of(redis, "xpending") == xpending
+    assert await calls_of(redis, "hmget") == hmget + 1

@@ -320,7 +320,8 @@ async def test_dead_letters_stay_in_the_slot_of_their_stream(
     first = await make_broker(cluster, streams, "first", max_deliveries=1)
     second = await make_broker(cluster, streams, "second", max_deliveries=1)
     bodies = await kick_all(first, streams, 1, "a")
-    doomed = Consumer(first, ack=False)
+    # Each task starts and its worker dies: one crash while running.
+    doomed = Consumer(first, ack=False, start=True)
     assert await doomed.wait_for(bodies, 10)
     await doomed.die()
 

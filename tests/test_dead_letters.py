@@ -37,20 +37,28 @@ def settings(max_deliveries: int | None) -> ClaimSettings:
     )
 
 
-async def test_entry_delivered_too_often_is_dead_lettered_atomically(
+async def record_start(runner: ScriptRunner, redis: Redis, entry_id: str) -> None:
+    """What a worker's StartRecorder does just before the task runs."""
+    await runner.call(redis, "start", [KEYS.started], [60_000, entry_id])
+
+
+async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
     redis: Redis,
 ) -> None:
     await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
     poison = (await redis.xadd(STREAM, {"data": b"\x00poison"})).decode()
     await redis.xreadgroup(GROUP, "victim-0", {STREAM: ">"})
     runner = ScriptRunner()
-    # Delivery 1 was the read; claims 2 and 3 are within max_deliveries=3.
+    # Each victim starts the task and dies; crashes 1 and 2 are below
+    # max_deliveries=3, the reclaim after crash 3 dead-letters it.
+    await record_start(runner, redis, poison)
     for victim in (1, 2):
         await asyncio.sleep(0.03)
         outcome = await claim_idle_entries(
             runner, redis, KEYS, f"victim-{victim}", settings(3)
         )
         assert [entry.id for entry in outcome.entries] == [poison]
+        await record_start(runner, redis, poison)
     await asyncio.sleep(0.03)
     outcome = await claim_idle_entries(runner, redis, KEYS, "victim-3", settings(3))
     assert outcome.entries == []
@@ -59,10 +67,30 @@ async def test_entry_delivered_too_often_is_dead_lettered_atomically(
     assert await redis.xlen(STREAM) == 1, "the original stays for other groups"
     [dead] = await list_dead_letters(redis, KEYS)
     assert dead.original_id == poison
-    assert dead.deliveries == 4
+    assert dead.deliveries == 3, "the crashes, not the deliveries"
     assert dead.reason == "max_deliveries exceeded"
     assert dead.fields == {b"data": b"\x00poison"}
     assert await redis.pttl(KEYS.dead_letters) == -1, "dead letters are data"
+    assert await redis.exists(KEYS.started) == 0, "its start count went with it"
+
+
+async def test_deliveries_that_never_started_never_count(redis: Redis) -> None:
+    # Prefetched by workers that died (or handed back) before running it:
+    # reclaimed any number of times, it is never dead-lettered.
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    await redis.xadd(STREAM, {"data": "innocent"})
+    await redis.xreadgroup(GROUP, "c-0", {STREAM: ">"})
+    runner = ScriptRunner()
+    for victim in range(1, 8):
+        await asyncio.sleep(0.03)
+        outcome = await claim_idle_entries(
+            runner, redis, KEYS, f"c-{victim}", settings(1)
+        )
+        assert len(outcome.entries) == 1
+        assert outcome.dead_lettered == []
+    [pending] = await redis.xpending_range(STREAM, GROUP, "-", "+", 1)
+    assert pending["times_delivered"] == 8
+    assert await redis.exists(KEYS.dead_letters) == 0
 
 
 async def test_without_max_deliveries_nothing_is_dead_lettered(redis: Redis) -> None:

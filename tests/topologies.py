@@ -45,6 +45,7 @@ from taskiq_atomic_claim.embedded_server import (
     find_binaries,
     free_port,
 )
+from tests.receiver import start_as_the_receiver_does
 
 HOST = "127.0.0.1"
 
@@ -731,17 +732,23 @@ def message(body: str, queue: str) -> BrokerMessage:
 
 class Consumer:
     """Runs a broker's ``listen()`` in a task, recording (and by default
-    acking) every message with the monotonic time it arrived."""
+    acking) every message with the monotonic time it arrived; with ``start``
+    each message's task is started first, as taskiq's receiver does."""
 
-    def __init__(self, broker: Any, ack: bool = True) -> None:
+    def __init__(self, broker: Any, ack: bool = True, start: bool = False) -> None:
         self.broker = broker
         self.ack = ack
+        self.start = start
         self.received: list[tuple[float, str]] = []
         self.listener = broker.listen()
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         async for received in self.listener:
+            if self.start:
+                await asyncio.create_task(
+                    start_as_the_receiver_does(self.broker, received)
+                )
             self.received.append((time.monotonic(), _text(received.data)))
             if self.ack:
                 await received.ack()

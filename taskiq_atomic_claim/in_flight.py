@@ -1,0 +1,402 @@
+"""What one consumer holds: entries delivered to it and not yet acked.
+
+An entry passes through these states in a worker:
+
+- read (XREADGROUP or a claim): held, heartbeated, not yet handed to taskiq;
+- yielded: handed to taskiq's receiver by ``listen()``;
+- loaded: the receiver's callback parsed its data (the formatter saw it);
+- started: about to run; the start is recorded on the server (``start.lua``)
+  so that a worker dying now counts toward ``max_deliveries``;
+- acked: forgotten here and on the server (``ack.lua``).
+
+The broker learns "loaded" and "started" from what taskiq does anyway: the
+receiver calls ``broker.formatter.loads(message.data)`` and then every
+middleware's ``pre_execute`` in the callback's own asyncio task, before the
+task runs. ``EntryData`` is the message data carrying its entry, so the
+formatter wrapper can tie that callback task to the entry.
+
+What is held but not running never stays held for ever: an entry the
+receiver dropped (its callback ended without an ack) goes to dead letters; an
+entry not handed to taskiq within ``3 * idle_timeout`` is handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from taskiq import TaskiqMessage, TaskiqMiddleware
+from taskiq.abc.formatter import TaskiqFormatter
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+SCRIPT_BATCH = 1000
+# A start count lives at least this long after its last write (ms); if it
+# lapses only crash counts reset, no entry is lost.
+MIN_STARTED_TTL_MS = 24 * 3600 * 1000
+_REASON_LIMIT = 200
+
+Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+
+
+class EntryData(bytes):
+    """A message's data that remembers the stream entry it was read from.
+
+    taskiq hands ``AckableMessage.data`` unchanged to the formatter.
+    """
+
+    stream: str
+    entry_id: str
+
+    def __new__(cls, data: bytes, stream: str, entry_id: str) -> EntryData:
+        made = super().__new__(cls, data)
+        made.stream, made.entry_id = stream, entry_id
+        return made
+
+
+@dataclass(eq=False)
+class Delivery:
+    stream: str
+    entry_id: str
+    read_at: float
+    yielded: bool = False
+    # The receiver's callback task that parsed it.
+    task: asyncio.Task[Any] | None = None
+    # A start is recorded on the server and not yet acked or taken back.
+    started: bool = False
+    # Why the formatter could not parse it; its "ack" dead-letters it.
+    unparsable: str | None = None
+
+    def dropped_by_receiver(self) -> bool:
+        """Its callback ended, neither acked (else it would be gone) nor
+        cancelled (a shutdown: handed back instead)."""
+        task = self.task
+        return task is not None and task.done() and not task.cancelled()
+
+
+class InFlight:
+    """Delivered-not-acked entries of one consumer, with their start state,
+    and what the heartbeat and the hand-back do with them."""
+
+    def __init__(
+        self,
+        scripts: ScriptRunner,
+        group: str,
+        consumer: str,
+        settings: ClaimSettings,
+        metrics: ReclaimMetrics,
+    ) -> None:
+        self.scripts = scripts
+        self.group = group
+        self.consumer = consumer
+        self.settings = settings
+        self.metrics = metrics
+        self._held: dict[tuple[str, str], Delivery] = {}
+        self._by_task: dict[asyncio.Task[Any], Delivery] = {}
+        self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
+        self._start_flush: asyncio.Task[None] | None = None
+
+    # The held set, per stream.
+
+    def add(self, stream: str, entry_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for entry_id in entry_ids:
+            self._held.setdefault((stream, entry_id), Delivery(stream, entry_id, now))
+
+    def holds(self, stream: str, entry_id: str) -> bool:
+        return (stream, entry_id) in self._held
+
+    def discard(self, stream: str, entry_id: str) -> None:
+        delivery = self._held.pop((stream, entry_id), None)
+        if delivery is not None and delivery.task is not None:
+            self._by_task.pop(delivery.task, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._by_task.clear()
+
+    def __getitem__(self, stream: str) -> set[str]:
+        return {entry_id for (s, entry_id) in self._held if s == stream}
+
+    def __contains__(self, stream: object) -> bool:
+        return any(s == stream for s, _ in self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def streams(self) -> list[str]:
+        return list(dict.fromkeys(s for s, _ in self._held))
+
+    def deliveries(self) -> list[Delivery]:
+        return list(self._held.values())
+
+    def get(self, stream: str, entry_id: str) -> Delivery | None:
+        return self._held.get((stream, entry_id))
+
+    def mark_yielded(self, stream: str, entry_id: str) -> None:
+        delivery = self._held.get((stream, entry_id))
+        if delivery is not None:
+            delivery.yielded = True
+
+    # What the receiver does with a yielded entry.
+
+    def loaded(self, data: bytes) -> Delivery | None:
+        """The formatter is parsing ``data`` in the receiver's callback task."""
+        if not isinstance(data, EntryData):
+            return None
+        delivery = self._held.get((data.stream, data.entry_id))
+        task = asyncio.current_task()
+        if delivery is not None and task is not None:
+            delivery.task = task
+            self._by_task[task] = delivery
+        return delivery
+
+    def of_current_task(self) -> Delivery | None:
+        task = asyncio.current_task()
+        return None if task is None else self._by_task.get(task)
+
+    @property
+    def started_ttl(self) -> int:
+        """ms: long enough to see max_deliveries crashes and reclaims."""
+        cycles = (self.settings.max_deliveries + 1) * 2
+        return max(MIN_STARTED_TTL_MS, cycles * self.settings.idle_timeout)
+
+    async def record_start(self, connect: Connect, delivery: Delivery) -> None:
+        """Record on the server that the entry's task starts, before it runs.
+
+        Starts arriving while a call is under way wait and go together in
+        the next call (one per stream).
+        """
+        if self.settings.max_deliveries == 0 or delivery.started:
+            return  # nothing counts crashes: no key, no round trip
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
+        if self._start_flush is None or self._start_flush.done():
+            self._start_flush = asyncio.create_task(self._flush_starts(connect))
+        try:
+            await waiter
+        except Exception as error:
+            # Run it anyway: a start not counted only makes a crash go
+            # uncounted, never dead-letters anything that did not crash.
+            logger.warning(
+                "Could not record the start of entry %s of stream %r (a crash"
+                " running it will not count toward max_deliveries): %s",
+                delivery.entry_id,
+                delivery.stream,
+                error,
+            )
+
+    async def _flush_starts(self, connect: Connect) -> None:
+        # Let the callbacks scheduled beside this one reach their start too.
+        await asyncio.sleep(0)
+        while self._starts:
+            batches, self._starts = self._starts, {}
+            try:
+                async with connect() as client:
+                    for stream, waiting in batches.items():
+                        await self._call_start(client, stream, waiting)
+            except BaseException as error:
+                # Never leave a task waiting to start: a cancelled flush
+                # (loop shutting down) fails its waiters as well.
+                failure = (
+                    error
+                    if isinstance(error, Exception)
+                    else RuntimeError("recording the start was cancelled")
+                )
+                for waiting in batches.values():
+                    for _, waiter in waiting:
+                        if not waiter.done():
+                            waiter.set_exception(failure)
+                if not isinstance(error, Exception):
+                    raise
+
+    async def _call_start(
+        self,
+        client: Any,
+        stream: str,
+        waiting: list[tuple[Delivery, asyncio.Future[None]]],
+    ) -> None:
+        keys = StreamKeys(stream, self.group)
+        for start in range(0, len(waiting), SCRIPT_BATCH):
+            chunk = waiting[start : start + SCRIPT_BATCH]
+            await self.scripts.call(
+                client,
+                "start",
+                [keys.started],
+                [self.started_ttl, *(d.entry_id for d, _ in chunk)],
+            )
+            for delivery, waiter in chunk:
+                delivery.started = True
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # Heartbeat and hand-back.
+
+    async def beat(self, client: Any) -> None:
+        """One heartbeat: dead-letter what the receiver dropped, hand back
+        what sat unread too long, keep the rest from being reclaimed."""
+        await self.dead_letter_dropped(client)
+        await self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000)
+        await self.set_idle(client, 0, self.deliveries())
+
+    async def dead_letter_dropped(self, client: Any) -> None:
+        for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
+            task = delivery.task
+            assert task is not None
+            error = task.exception()
+            if error is None:  # e.g. a manual-ack task that never acked
+                reason = "its task ended without acking it"
+            else:
+                reason = _bounded(
+                    "taskiq's receiver raised after starting it, without acking:"
+                    f" {type(error).__name__}: {error}"
+                )
+            await self.dead_letter(client, delivery, reason)
+
+    async def dead_letter(self, client: Any, delivery: Delivery, reason: str) -> None:
+        """Move a held entry to dead letters, in place of its ack."""
+        keys = StreamKeys(delivery.stream, self.group)
+        await move_to_dead_letters(
+            self.scripts, client, keys, delivery.entry_id, reason
+        )
+        self.discard(delivery.stream, delivery.entry_id)
+        self.metrics.add("dead_lettered", delivery.stream)
+        logger.error(
+            "Entry %s of stream %r moved to dead letters %r: %s",
+            delivery.entry_id,
+            delivery.stream,
+            keys.dead_letters,
+            reason,
+        )
+
+    async def hand_back_unyielded(self, client: Any, older_than_s: float) -> None:
+        """Hand back entries read but not handed to taskiq for ``older_than_s``
+        (every slot busy with long tasks): other workers may have room."""
+        oldest = time.monotonic() - older_than_s
+        stale = [d for d in self.deliveries() if not d.yielded and d.read_at < oldest]
+        if not stale:
+            return
+        await self.set_idle(client, self.settings.idle_timeout, stale)
+        for delivery in stale:
+            self.discard(delivery.stream, delivery.entry_id)
+            self.metrics.add("handed_back", delivery.stream)
+        logger.warning(
+            "Handed back %d entries read %.0f s ago and not started yet (every"
+            " task slot busy): other workers can take them now",
+            len(stale),
+            older_than_s,
+        )
+
+    async def set_idle(
+        self, client: Any, idle_ms: int, deliveries: list[Delivery]
+    ) -> None:
+        """Set the idle time of those still owned; forget those not owned."""
+        for stream, ids in _by_stream(deliveries):
+            for start in range(0, len(ids), SCRIPT_BATCH):
+                chunk = ids[start : start + SCRIPT_BATCH]
+                lost = await self.scripts.call(
+                    client,
+                    "set_idle",
+                    [stream],
+                    [self.group, self.consumer, idle_ms, *chunk],
+                )
+                if idle_ms == 0:
+                    self.metrics.add("heartbeats", stream)
+                for entry_id in lost:
+                    self.discard(stream, _text(entry_id))
+
+    async def hand_back(self, client: Any) -> int:
+        """Make every held entry claimable at once and take back the starts
+        recorded for tasks the shutdown interrupted; returns how many."""
+        handed = 0
+        for stream, _ in _by_stream(self.deliveries()):
+            held = [d for d in self.deliveries() if d.stream == stream]
+            # Started first: the script takes back the first n ids' starts.
+            held.sort(key=lambda d: not d.started)
+            keys = StreamKeys(stream, self.group)
+            for start in range(0, len(held), SCRIPT_BATCH):
+                chunk = held[start : start + SCRIPT_BATCH]
+                n_started = sum(d.started for d in chunk)
+                lost = await self.scripts.call(
+                    client,
+                    "hand_back",
+                    [stream, keys.started],
+                    [
+                        self.group,
+                        self.consumer,
+                        self.settings.idle_timeout,
+                        n_started,
+                        *(d.entry_id for d in chunk),
+                    ],
+                )
+                handed += len(chunk) - len(lost)
+                self.metrics.add("handed_back", stream, len(chunk) - len(lost))
+        self.clear()
+        return handed
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bounded(reason: str) -> str:
+    return reason if len(reason) <= _REASON_LIMIT else reason[: _REASON_LIMIT - 1] + "…"
+
+
+def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:
+    streams: dict[str, list[str]] = {}
+    for delivery in deliveries:
+        streams.setdefault(delivery.stream, []).append(delivery.entry_id)
+    yield from ((stream, sorted(ids)) for stream, ids in streams.items())
+
+
+class EntryAwareFormatter(TaskiqFormatter):
+    """The broker's formatter, telling ``InFlight`` which entry the receiver
+    parses and which ones it cannot parse."""
+
+    def __init__(self, inner: TaskiqFormatter, in_flight: InFlight) -> None:
+        self.inner = inner
+        self.in_flight = in_flight
+
+    def dumps(self, message: TaskiqMessage) -> BrokerMessage:
+        return self.inner.dumps(message)
+
+    def loads(self, message: bytes) -> TaskiqMessage:
+        delivery = self.in_flight.loaded(message)
+        try:
+            return self.inner.loads(message)
+        except Exception as error:
+            if delivery is not None:
+                # taskiq acks what it cannot parse; that ack dead-letters it.
+                delivery.unparsable = _bounded(
+                    f"the formatter cannot parse its data: {type(error).__name__}:"
+                    f" {error}"
+                )
+            raise
+
+
+class StartRecorder(TaskiqMiddleware):
+    """Records each task's start on the server before the task runs."""
+
+    def __init__(self, in_flight: InFlight, connect: Connect) -> None:
+        super().__init__()
+        self.in_flight = in_flight
+        self.connect = connect
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        delivery = self.in_flight.of_current_task()
+        if delivery is not None:
+            await self.in_flight.record_start(self.connect, delivery)
+        return message

@@ -1,0 +1,40 @@
+"""A taskiq app for tests/test_started_semantics.py, run by ``taskiq worker``.
+
+Configured from the environment. Besides the drill's ``work`` task it has a
+poison task that SIGKILLs its own worker process (as an OOM kill would).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from redis.asyncio import Redis
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.drill_app import add_drill_task, events_stream
+
+POISON_TASK = "tests.started_app.poison"
+
+URL = os.environ.get("TAC_TEST_URL", "redis://127.0.0.1:6379")
+QUEUE = os.environ.get("TAC_TEST_QUEUE", "taskiq-atomic-claim-drill-started")
+WORKER = os.environ.get("TAC_TEST_WORKER", "worker")
+
+broker = AtomicRedisStreamBroker(
+    URL,
+    queue_name=QUEUE,
+    idle_timeout=int(os.environ.get("TAC_TEST_IDLE_TIMEOUT", "1000")),
+    claim_interval=int(os.environ.get("TAC_TEST_CLAIM_INTERVAL", "200")),
+    max_deliveries=int(os.environ.get("TAC_TEST_MAX_DELIVERIES", "2")),
+    xread_block=500,
+)
+events = Redis.from_url(URL)
+add_drill_task(broker, events, QUEUE, WORKER)
+
+
+@broker.task(task_name=POISON_TASK)
+async def poison(run_id: str) -> None:
+    await events.xadd(
+        events_stream(QUEUE), {"event": "poisoned", "run": run_id, "worker": WORKER}
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
