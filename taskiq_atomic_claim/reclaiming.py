@@ -371,14 +371,16 @@ class ReclaimingListener:
         (handed back, or taken by another consumer), or once an entry taskiq
         cannot run (no ``data`` field: written by something else) is moved to
         dead letters."""
-        if not self.in_flight.holds(stream, entry_id):
+        delivery = self.in_flight.get(stream, entry_id)
+        if delivery is None or delivery.yielded:
+            # Handed back or taken by another consumer; or taken back from
+            # ourselves by our own claim (a heartbeat came late) while taskiq
+            # still runs it: yielding it again would run it twice.
             return None
         data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes):
-            delivery = self.in_flight.get(stream, entry_id)
-            assert delivery is not None  # held: checked above
             reason = f"no {_DATA_FIELD.decode()} field"
             await self.in_flight.dead_letter(client, delivery, reason)
             return None

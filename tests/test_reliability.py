@@ -344,3 +344,28 @@ async def test_a_cancel_swallowed_inside_a_read_still_stops_listen(
         assert done and waiting.cancelled()
     finally:
         await broker.shutdown()
+
+
+async def test_an_entry_taskiq_holds_is_not_yielded_again_when_reclaimed_from_self(
+    server: Server, redis: Redis
+) -> None:
+    # A heartbeat delayed past idle_timeout (a stalled event loop) lets this
+    # consumer's own claim take back an entry taskiq is still running: it is
+    # ours again, and it must not be handed to taskiq a second time.
+    owner = await started(server, consumer_name="owner")
+    try:
+        await owner.kick(message("long"))
+        listener = owner.listen()
+        task = await receive(listener, 2)
+        assert task is not None
+        await owner.stop_heartbeat()
+        # Idle past idle_timeout, so the next claim takes it (from itself).
+        await asyncio.sleep(2 * IDLE_MS / 1000)
+        assert await receive(listener, 3 * INTERVAL_MS / 1000) is None
+        [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+        assert entry["consumer"] == b"owner"
+        assert entry["times_delivered"] == 2, "the claim did take it back"
+        await task.ack()
+        assert await redis.xpending_range("taskiq", "taskiq", "-", "+", 10) == []
+    finally:
+        await owner.shutdown()
