@@ -582,8 +582,8 @@ async def _acl(
 
 def _drill(url: str | None, rounds: int, broker: str) -> int:
     # Imported here: the drill pulls in taskiq's worker machinery.
-    from taskiq_atomic_claim.drill import main_drill  # noqa: PLC0415
-    from taskiq_atomic_claim.embedded_server import (  # noqa: PLC0415
+    from taskiq_atomic_claim.harness.drill import main_drill  # noqa: PLC0415
+    from taskiq_atomic_claim.harness.embedded_server import (  # noqa: PLC0415
         LocalServer,
         default_binary,
     )

@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim.doctor import worker_acl_rule, worker_key_patterns
-from taskiq_atomic_claim.embedded_server import (
+from taskiq_atomic_claim.harness.embedded_server import (
     BUILD_CACHE,
     LocalServer,
     find_binaries,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.drill import drill_queue, run_drill, running_workers
+from taskiq_atomic_claim.harness.drill import drill_queue, run_drill, running_workers
 from tests.conftest import Server
 
 IDLE_MS, INTERVAL_MS = 2000, 500

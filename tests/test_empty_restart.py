@@ -28,9 +28,9 @@ from taskiq.exceptions import SendTaskError
 from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker, AtomicRedisStreamClusterBroker
-from taskiq_atomic_claim.drill_app import events_stream
-from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.group_recovery import recreate_group
+from taskiq_atomic_claim.harness.drill_app import events_stream
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from tests.conftest import Server
 from tests.empty_restart_app import TASK_NAME
 

@@ -26,7 +26,7 @@ from taskiq.message import BrokerMessage
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.cli import main
 from taskiq_atomic_claim.doctor import worker_acl_rule
-from taskiq_atomic_claim.embedded_server import free_port
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.inspection import inspect_server
 from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server, with_user

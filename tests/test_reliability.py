@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.reclaiming import StreamTypeError
 from taskiq_atomic_claim.scripts import LoadMode
 from tests.conftest import Server

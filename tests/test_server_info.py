@@ -12,7 +12,7 @@ from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.doctor import apply_fixes, diagnose
-from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY
 from taskiq_atomic_claim.server_info import (
     LUA_CLAIM,

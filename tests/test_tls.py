@@ -20,7 +20,11 @@ from redis.asyncio import Redis
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries, free_port
+from taskiq_atomic_claim.harness.embedded_server import (
+    LocalServer,
+    find_binaries,
+    free_port,
+)
 from taskiq_atomic_claim.scripts import LIBRARY
 from tests.conftest import assert_every_key_expires
 from tests.test_cli import cli

@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 from taskiq import AsyncBroker
 from taskiq.message import BrokerMessage
 
-from taskiq_atomic_claim.embedded_server import (
+from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     ServerBinary,
     find_binaries,

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from taskiq import AsyncBroker
 from taskiq.kicker import AsyncKicker
 
-from taskiq_atomic_claim.drill_app import TASK_NAME, build_broker, events_stream
+from taskiq_atomic_claim.harness.drill_app import TASK_NAME, build_broker, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
 
 
@@ -103,7 +103,7 @@ class Worker:
             [
                 *_taskiq_command(),
                 "worker",
-                "taskiq_atomic_claim.drill_app:broker",
+                "taskiq_atomic_claim.harness.drill_app:broker",
                 "--ack-type",
                 "when_executed",
                 "--workers",
