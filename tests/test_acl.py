@@ -23,14 +23,14 @@ from taskiq.message import BrokerMessage
 from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.doctor import (
+from taskiq_atomic_claim.admin.acl import (
     WORKER_ACL,
     acl_pattern,
     worker_acl_rule,
     worker_commands,
     worker_key_patterns,
 )
+from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError

@@ -10,13 +10,13 @@ from taskiq.formatters.json_formatter import JSONFormatter
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.dead_letters import (
+from taskiq_atomic_claim.admin.dead_letters import (
     entry_time,
     list_dead_letters,
-    move_to_dead_letters,
     requeue_dead_letters,
 )
+from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings

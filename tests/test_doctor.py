@@ -12,7 +12,7 @@ from taskiq.message import BrokerMessage
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.doctor import Finding, Thresholds, apply_fixes, diagnose
+from taskiq_atomic_claim.admin.doctor import Finding, Thresholds, apply_fixes, diagnose
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from tests.conftest import Server

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
-from taskiq_atomic_claim.dead_letters import list_dead_letters, move_to_dead_letters
+from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server

@@ -24,10 +24,10 @@ from redis.asyncio import Redis
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.acl import worker_acl_rule
+from taskiq_atomic_claim.admin.inspection import inspect_server
 from taskiq_atomic_claim.cli import main
-from taskiq_atomic_claim.doctor import worker_acl_rule
 from taskiq_atomic_claim.harness.embedded_server import free_port
-from taskiq_atomic_claim.inspection import inspect_server
 from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server, with_user
 

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.doctor import apply_fixes, diagnose
+from taskiq_atomic_claim.admin.doctor import apply_fixes, diagnose
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY
 from taskiq_atomic_claim.server_info import (
