@@ -33,7 +33,6 @@ from tests.conftest import Server, with_user
 
 USER, PASSWORD = "property-worker", "property-password"
 LUA_NAME = "\"]] ; redis.call('FLUSHALL') --[[ ' end"
-TRICKY = ["{jobs}", "a{b", "}{", "a:b c", "ключ", "🚀 queue", " ", LUA_NAME]
 
 # Any text, with the characters that mean something to Redis, Lua, ACL
 # patterns or shells drawn often.
@@ -77,8 +76,62 @@ PARAMETERS = (
 )
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stored(broker: AtomicRedisStreamBroker, parameter: str) -> Any:
+    """Where the broker keeps an accepted value: the parent's attribute where
+    taskiq-redis has one, else the checked claim settings."""
+    where = {
+        "xread_block": "block",
+        "xread_count": "count",
+        "claim_interval": "claim_settings.claim_interval",
+        "max_deliveries": "claim_settings.max_deliveries",
+    }.get(parameter, parameter)
+    value: Any = broker
+    for part in where.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# What each parameter accepts, as its error messages state it (idle_timeout
+# is 10_000 ms in every example, so claim_interval must stay below it).
+VALID: dict[str, Any] = {
+    "queue_name": lambda v: isinstance(v, str) and v != "",
+    "consumer_group_name": lambda v: isinstance(v, str) and v != "",
+    "consumer_name": lambda v: isinstance(v, str) and v != "",
+    "idle_timeout": lambda v: _whole(v) and v >= 2,
+    "claim_interval": lambda v: v is None or (_whole(v) and 1 <= v < 10_000),
+    "unacknowledged_batch_size": lambda v: _whole(v) and v >= 1,
+    "unacknowledged_lock_timeout": lambda v: (
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v > 0)
+    ),
+    "max_deliveries": lambda v: v is None or (_whole(v) and v >= 1),
+    "xread_block": lambda v: _whole(v) and v >= 0,
+    "xread_count": lambda v: v is None or (_whole(v) and v >= 1),
+    "maxlen": lambda v: v is None or (_whole(v) and v >= 1),
+    "additional_streams": lambda v: (
+        v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v))
+    ),
+}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(PARAMETERS), anything)
+# The smallest value each accepts, and values taken as they are.
+@example("idle_timeout", 2)
+@example("claim_interval", 1)
+@example("claim_interval", 9_999)
+@example("unacknowledged_batch_size", 1)
+@example("unacknowledged_lock_timeout", 0.001)
+@example("max_deliveries", 1)
+@example("max_deliveries", None)
+@example("xread_block", 0)
+@example("xread_count", 1)
+@example("maxlen", 1)
+@example("additional_streams", {"other": "0-1"})
+@example("queue_name", LUA_NAME)
 def test_the_constructor_accepts_or_names_the_parameter(
     parameter: str, value: Any
 ) -> None:
@@ -92,11 +145,16 @@ def test_the_constructor_accepts_or_names_the_parameter(
         if parameter in NAME_PARAMETERS:
             assert not (isinstance(value, str) and value)
         return
-    if parameter in NAME_PARAMETERS:
-        assert isinstance(value, str) and value
-        assert getattr(broker, parameter) == value
-    if parameter == "additional_streams" and value is not None:
-        assert all(isinstance(k, str) and k for k in value)
+    # Accepted: the value is one the parameter's rule allows, and the broker
+    # keeps it as given (None: the documented default instead).
+    assert VALID[parameter](value), (parameter, value)
+    stored = _stored(broker, parameter)
+    if value is None:
+        assert parameter != "max_deliveries" or stored == 0  # never dead-letter
+    elif parameter == "max_deliveries":
+        assert stored == value
+    else:
+        assert stored == value and type(stored) is type(value), (parameter, stored)
 
 
 # End to end, as a worker whose ACL was made for these very names.
