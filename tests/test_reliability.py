@@ -39,6 +39,17 @@ async def group_recreated(redis: Redis) -> None:
     raise AssertionError("the broker never recreated its consumer group")
 
 
+async def blocked_in_xreadgroup(redis: Redis) -> None:
+    """Wait (bounded) until a client is blocked in XREADGROUP, so a fault
+    injected next lands inside the blocked read, not before it."""
+    for _ in range(250):
+        for client in await redis.client_list():
+            if client.get("cmd") == "xreadgroup" and "b" in client.get("flags", ""):
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError("no client ever blocked in XREADGROUP")
+
+
 async def kill_other_connections(redis: Redis) -> None:
     await redis.client_setname("test-admin")
     for client in await redis.client_list():
@@ -290,7 +301,7 @@ async def test_a_server_demoted_under_a_blocked_read_does_not_end_listen(
         with LocalServer(server.local.binary) as other:
             listener = broker.listen()
             nxt = asyncio.ensure_future(listener.__anext__())
-            await asyncio.sleep(0.3)  # inside a blocked XREADGROUP
+            await blocked_in_xreadgroup(redis)
             await redis.execute_command("REPLICAOF", "127.0.0.1", str(other.port))
             await asyncio.sleep(0.5)
             assert not nxt.done(), "listen() must ride out UNBLOCKED"
@@ -324,7 +335,7 @@ def cancel_swallowing_connection() -> tuple[type[Connection], list[int]]:
 
 
 async def test_a_cancel_swallowed_inside_a_read_still_stops_listen(
-    server: Server,
+    server: Server, redis: Redis
 ) -> None:
     connection_class, swallowed = cancel_swallowing_connection()
     broker = await started(
@@ -336,7 +347,7 @@ async def test_a_cancel_swallowed_inside_a_read_still_stops_listen(
     )
     try:
         waiting = asyncio.ensure_future(broker.listen().__anext__())
-        await asyncio.sleep(0.5)  # past the first claim, blocked in XREADGROUP
+        await blocked_in_xreadgroup(redis)  # past the first claim
         waiting.cancel()
         done, _ = await asyncio.wait({waiting}, timeout=3)
         assert swallowed, "the cancel did not land in a read: nothing was tested"
