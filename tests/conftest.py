@@ -47,6 +47,7 @@ from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     find_binaries,
 )
+from taskiq_atomic_claim.scripts import ScriptClient
 from taskiq_atomic_claim.server_info import ServerInfo
 
 _BINARIES = {binary.label: binary for binary in find_binaries()}
@@ -113,6 +114,12 @@ def suite_worker_rule(server_version: str) -> list[str]:
     extra_keys = [r for r in DRILL_HARNESS if r.startswith("~")]
     extra_commands = [r for r in DRILL_HARNESS if r.startswith("+")]
     return ["resetchannels", *keys, *extra_keys, *commands, *extra_commands]
+
+
+async def server_command(client: ScriptClient, *args: Any) -> Any:
+    """``execute_command`` through the package's typed view of a client:
+    redis-py leaves the method unannotated."""
+    return await client.execute_command(*args)
 
 
 def with_user(url: str, user: str, password: str) -> str:

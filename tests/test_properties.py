@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.acl import worker_acl_rule
@@ -29,7 +30,7 @@ from taskiq_atomic_claim.admin.inspection import inspect_server
 from taskiq_atomic_claim.cli import main
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
-from tests.conftest import Server, with_user
+from tests.conftest import Server, server_command, with_user
 
 USER, PASSWORD = "property-worker", "property-password"
 LUA_NAME = "\"]] ; redis.call('FLUSHALL') --[[ ' end"
@@ -39,7 +40,7 @@ LUA_NAME = "\"]] ; redis.call('FLUSHALL') --[[ ' end"
 names = st.text(
     alphabet=st.one_of(
         st.sampled_from("{}:*?[]\\\"' \t-_.=%$\n"),
-        st.characters(exclude_categories=("Cs",)),
+        st.characters(exclude_categories=["Cs"]),
     ),
     max_size=24,
 )
@@ -189,7 +190,7 @@ async def test_any_valid_names_work_end_to_end(
         return
     await redis.flushall()
     version = str((await redis.info("server"))["redis_version"])
-    await redis.execute_command(
+    await server_command(redis,
         "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}",
         *worker_acl_rule([queue], group, version),
     )  # fmt: skip
@@ -199,7 +200,7 @@ async def test_any_valid_names_work_end_to_end(
         await broker.kick(message(queue))
         received = await asyncio.wait_for(broker.listen().__anext__(), 5)
         assert received.data == queue.encode()
-        await received.ack()
+        await maybe_awaitable(received.ack())
         keys = StreamKeys(queue, group)
         # Came back from ARGV exactly as sent: the claim script's lease holder.
         assert await redis.get(keys.lease) == consumer.encode()

@@ -235,10 +235,6 @@ class LocalCluster(_Started):
         """A startup node: any live node will do for a cluster client."""
         return next(node.server.url for node in self.nodes if node.alive)
 
-    @property
-    def startup_nodes(self) -> list[tuple[str, int]]:
-        return [(HOST, node.port) for node in self.nodes if node.alive]
-
     def start(self, timeout: float = 60.0) -> LocalCluster:
         deadline = time.monotonic() + timeout
         for node in self.nodes:
@@ -472,9 +468,6 @@ class LocalSentinels(_Started):
         )
         return int(reply[1])
 
-    def server_on(self, port: int) -> LocalServer:
-        return next(server for server in self.servers if server.port == port)
-
     def ready(self) -> bool:
         """Every sentinel: same master, sees every other sentinel, and every
         replica with its link up."""
@@ -512,10 +505,6 @@ class LocalSentinels(_Started):
 
         wait_until("sentinels agree on a new master", switched, timeout)
         return self.master_port(), time.monotonic() - started
-
-    def wait_settled(self, timeout: float = 60.0) -> float:
-        """Seconds until the demoted master replicates from the new one."""
-        return wait_until("topology settled", self.ready, timeout, step=0.2)
 
     def close(self) -> None:
         for sentinel in self.sentinels:
