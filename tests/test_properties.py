@@ -338,6 +338,7 @@ def test_sentinel_options_work_or_fail_in_one_line(
     port=ports,
 )
 @example(command="load", port="[")  # urlsplit raises ValueError on it
+@example(command="load", port="@")  # a URL with no host: RedisCluster refuses it
 def test_cluster_urls_work_or_fail_in_one_line(command: str, port: str) -> None:
     extra = ["--all"] if command == "requeue" else []
     code, out, err = run_cli(

@@ -266,9 +266,14 @@ async def _cluster_primaries(
     options: ConnectionOptions, streams: list[str] | None
 ) -> list[Target]:
     tls = _tls_arguments(options)
-    startup = RedisCluster.from_url(
-        options.url, socket_connect_timeout=5, socket_timeout=10, **tls
-    )
+    try:
+        startup = RedisCluster.from_url(
+            options.url, socket_connect_timeout=5, socket_timeout=10, **tls
+        )
+    except RedisClusterException as error:  # e.g. a URL without a host
+        # Its message goes on to explain the constructor: the first line says it.
+        first_line = str(error).splitlines()[0]
+        raise CommandError(f"bad --url {options.url!r}: {first_line}") from None
     try:
         await startup.initialize()
         primaries = startup.get_primaries()
