@@ -1,6 +1,8 @@
 """Health checks behind ``doctor`` and their fixes (the ACL a worker needs: acl.py).
 
-Findings, each with what to do (``--fix`` fixes those marked fixable):
+Findings are data: a kind, a subject, the problem, advice in words and the
+``Action`` it points to; ``cli/doctor.py`` spells the command to run.
+``apply_fixes`` fixes those marked fixable:
 
 - ``legacy-lock`` (fixable): an ``autoclaim:*`` key without an expiry, left
   by a taskiq-redis <= 1.1.x worker killed inside its claim lock; it blocks
@@ -10,7 +12,8 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
 - ``idle-consumer`` (fixable): a consumer with nothing pending that has not
   talked to the server for longer than a threshold; every restart of a
   worker with a random consumer name leaves one. The fix deletes it
-  (XGROUP DELCONSUMER), atomically only if it still has nothing pending.
+  (``lua/delete_idle_consumer.lua``), atomically only if it still has
+  nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
   other versions are loaded. The fix loads it.
 - ``misplaced-dead-letters`` (fixable): a dead-letter stream holding entries
@@ -27,7 +30,7 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
   stream without the named group, or (when discovering) without any group:
   nothing consumes it.
 
-Warnings, printed but not failing the check (``durability``):
+Warnings, reported but not failing the check (``durability``):
 ``eviction-policy`` (maxmemory-policy is not noeviction) and
 ``no-persistence`` (neither AOF nor RDB save points).
 """
