@@ -33,7 +33,7 @@ from benchmarks import (
     throughput,
 )
 from benchmarks.config import MODES, REGIMES
-from taskiq_atomic_claim.embedded_server import (
+from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     ServerBinary,
     default_binary,

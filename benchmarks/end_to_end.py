@@ -1,6 +1,6 @@
 """Part 6: SIGKILL -> re-run time, with the project's crash drill.
 
-``taskiq_atomic_claim.drill.run_drill`` starts a real ``taskiq worker``,
+``taskiq_atomic_claim.harness.drill.run_drill`` starts a real ``taskiq worker``,
 SIGKILLs it the moment a task starts, starts a replacement and times how
 long until the replacement runs the task again. It is reused unchanged for
 both brokers ("atomic" and taskiq-redis 1.2.4's "upstream") and two queues:
@@ -32,8 +32,8 @@ from taskiq_redis import RedisStreamBroker
 
 from benchmarks.config import Mode
 from benchmarks.stats import p50, percentile
-from taskiq_atomic_claim.drill import DrillReport, run_drill
-from taskiq_atomic_claim.drill_app import TASK_NAME
+from taskiq_atomic_claim.harness.drill import DrillReport, run_drill
+from taskiq_atomic_claim.harness.drill_app import TASK_NAME
 
 _FILL_EVERY_S = 0.1
 _DRILL_QUEUES = "taskiq-atomic-claim-drill-*"

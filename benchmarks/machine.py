@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from taskiq_atomic_claim.embedded_server import ServerBinary, find_binaries
+from taskiq_atomic_claim.harness.embedded_server import ServerBinary, find_binaries
 
 _PACKAGES = ("taskiq-atomic-claim", "taskiq", "taskiq-redis", "redis")
 

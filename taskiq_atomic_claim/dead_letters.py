@@ -1,78 +1,17 @@
-"""Dead letters: entries a consumer group gave up on, kept for people to decide."""
+"""Moving an entry the broker cannot run to its dead-letter stream: what a
+worker does. Listing and requeue, what an operator does, are in
+``taskiq_atomic_claim.admin.dead_letters``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
-
-from taskiq import TaskiqFormatter
-from taskiq.formatters.json_formatter import JSONFormatter
 
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 
-METADATA_PREFIX = b"dead_letter_"
-REQUEUE_BATCH = 100
-# How much of a message's arguments (or raw data) a listing shows.
-PREVIEW_CHARS = 60
-MAX_DEAD_LETTERS_SCANNED = 1_000_000
 
-
-def _text(value: Any) -> str:
+def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    id: str
-    original_id: str
-    deliveries: int
-    reason: str
-    fields: dict[bytes, bytes]
-
-    @property
-    def data(self) -> bytes:
-        return self.fields.get(b"data", b"")
-
-    def task(self, formatter: TaskiqFormatter | None = None) -> TaskSummary | None:
-        """What the message asked for, read with the broker's formatter
-        (taskiq's default, JSON); None when it does not parse."""
-        try:
-            message = (formatter or JSONFormatter()).loads(self.data)
-        except Exception:  # a formatter may raise anything on bad input
-            return None
-        arguments = ", ".join(
-            [repr(arg) for arg in message.args]
-            + [f"{name}={value!r}" for name, value in message.kwargs.items()]
-        )
-        return TaskSummary(message.task_name, message.task_id, arguments)
-
-
-@dataclass(frozen=True)
-class TaskSummary:
-    name: str
-    task_id: str
-    arguments: str  # as a call would spell them: 1, 'a', key='v'
-
-
-def entry_time(entry_id: str) -> datetime:
-    """When a stream entry was added: the milliseconds part of its id."""
-    return datetime.fromtimestamp(int(entry_id.partition("-")[0]) / 1000, timezone.utc)
-
-
-def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _parse(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
-    return DeadLetter(
-        id=_text(entry_id),
-        original_id=_text(fields.get(b"dead_letter_id", b"")),
-        deliveries=int(fields.get(b"dead_letter_deliveries", b"0")),
-        reason=_text(fields.get(b"dead_letter_reason", b"")),
-        fields={k: v for k, v in fields.items() if not k.startswith(METADATA_PREFIX)},
-    )
 
 
 async def move_to_dead_letters(
@@ -89,72 +28,4 @@ async def move_to_dead_letters(
         [keys.stream, keys.dead_letters, keys.started],
         [keys.group, entry_id, reason],
     )
-    return _text(reply[0]) if reply else None
-
-
-async def list_dead_letters(
-    client: Any, keys: StreamKeys, count: int = 100
-) -> list[DeadLetter]:
-    entries = await client.xrange(keys.dead_letters, count=count)
-    return [_parse(entry_id, fields) for entry_id, fields in entries]
-
-
-async def dead_letter_ids_of_task(
-    client: Any,
-    keys: StreamKeys,
-    task_name: str,
-    formatter: TaskiqFormatter | None = None,
-) -> list[str]:
-    """Ids of the dead letters whose message is a call of ``task_name``."""
-    found: list[str] = []
-    start = "-"
-    for _ in range(MAX_DEAD_LETTERS_SCANNED // REQUEUE_BATCH):
-        entries = await client.xrange(keys.dead_letters, min=start, count=REQUEUE_BATCH)
-        for entry_id, fields in entries:
-            letter = _parse(entry_id, fields)
-            task = letter.task(formatter)
-            if task is not None and task.name == task_name:
-                found.append(letter.id)
-        if len(entries) < REQUEUE_BATCH:
-            break
-        start = "(" + _text(entries[-1][0])  # exclusive: after the last one read
-    return found
-
-
-async def requeue_dead_letters(
-    runner: ScriptRunner,
-    client: Any,
-    keys: StreamKeys,
-    ids: list[str] | None = None,
-) -> list[tuple[str, str]]:
-    """Re-add dead letters (all when ``ids`` is None) to their stream.
-
-    Returns (dead-letter id, new stream id) pairs. Each batch is one atomic
-    script call, so an entry is never both requeued and still dead, or neither.
-    """
-    moved: list[tuple[str, str]] = []
-    if ids is not None:
-        batches = [
-            ids[i : i + REQUEUE_BATCH] for i in range(0, len(ids), REQUEUE_BATCH)
-        ]
-        for batch in batches:
-            moved += await _requeue(runner, client, keys, batch)
-        return moved
-    # Bounded: each pass removes what it read, so the stream only shrinks.
-    for _ in range(1_000_000 // REQUEUE_BATCH):
-        entries = await client.xrange(keys.dead_letters, count=REQUEUE_BATCH)
-        if not entries:
-            break
-        moved += await _requeue(
-            runner, client, keys, [_text(entry_id) for entry_id, _ in entries]
-        )
-    return moved
-
-
-async def _requeue(
-    runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
-) -> list[tuple[str, str]]:
-    reply = await runner.call(
-        client, "requeue_dead_letters", [keys.dead_letters, keys.stream], list(ids)
-    )
-    return [(_text(old), _text(new)) for old, new in reply]
+    return text(reply[0]) if reply else None

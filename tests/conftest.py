@@ -16,7 +16,7 @@ the test ids carry the server's label (``-k redis-8.6.3`` runs one server).
 After every test, no key other than a stream may exist without an expiry.
 
 Every server also has a restricted user, ``WORKER_USER``, holding exactly the
-documented worker ACL (``taskiq_atomic_claim.doctor.worker_acl_rule``) for
+documented worker ACL (``taskiq_atomic_claim.admin.acl.worker_acl_rule``) for
 the names the suite's workers use. Tests marked ``worker_acl`` (all of
 ``WORKER_ACL_MODULES``) get a ``server`` whose ``url`` logs in as that user,
 and fail if the server's ACL LOG shows any command of that user refused;
@@ -41,12 +41,13 @@ import redis as sync_redis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from taskiq_atomic_claim.doctor import worker_acl_rule, worker_key_patterns
-from taskiq_atomic_claim.embedded_server import (
+from taskiq_atomic_claim.admin.acl import worker_acl_rule, worker_key_patterns
+from taskiq_atomic_claim.harness.embedded_server import (
     BUILD_CACHE,
     LocalServer,
     find_binaries,
 )
+from taskiq_atomic_claim.scripts import ScriptClient
 from taskiq_atomic_claim.server_info import ServerInfo
 
 _BINARIES = {binary.label: binary for binary in find_binaries()}
@@ -114,6 +115,12 @@ def suite_worker_rule(server_version: str) -> list[str]:
     extra_keys = [r for r in DRILL_HARNESS if r.startswith("~")]
     extra_commands = [r for r in DRILL_HARNESS if r.startswith("+")]
     return ["resetchannels", *keys, *extra_keys, *commands, *extra_commands]
+
+
+async def server_command(client: ScriptClient, *args: Any) -> Any:
+    """``execute_command`` through the package's typed view of a client:
+    redis-py leaves the method unannotated."""
+    return await client.execute_command(*args)
 
 
 def with_user(url: str, user: str, password: str) -> str:

@@ -11,7 +11,7 @@ import os
 
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.drill_app import add_drill_task, build_broker
+from taskiq_atomic_claim.harness.drill_app import add_drill_task, build_broker
 
 TASK_NAME = "tests.empty_restart_app.work"
 _QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")

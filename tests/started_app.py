@@ -12,7 +12,7 @@ import signal
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.drill_app import add_drill_task, events_stream
+from taskiq_atomic_claim.harness.drill_app import add_drill_task, events_stream
 
 POISON_TASK = "tests.started_app.poison"
 

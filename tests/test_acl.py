@@ -20,17 +20,18 @@ from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, RedisError
 from taskiq.api import run_receiver_task
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.doctor import (
+from taskiq_atomic_claim.admin.acl import (
     WORKER_ACL,
     acl_pattern,
     worker_acl_rule,
     worker_commands,
     worker_key_patterns,
 )
+from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
@@ -43,6 +44,7 @@ from tests.conftest import (
     WORKER_USER,
     Server,
     acl_log_entries,
+    server_command,
     with_user,
 )
 from tests.receiver import start_as_the_receiver_does
@@ -57,15 +59,15 @@ async def version_of(redis: Redis) -> str:
 
 
 async def set_user(redis: Redis, rule: list[str]) -> None:
-    await redis.execute_command(
-        "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", *rule
+    await server_command(
+        redis, "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", *rule
     )
 
 
 async def refused(redis: Redis) -> list[str]:
     return [
         entry["object"]
-        for entry in acl_log_entries(await redis.execute_command("ACL", "LOG"))
+        for entry in acl_log_entries(await server_command(redis, "ACL", "LOG"))
         if entry["username"] == USER
     ]
 
@@ -86,9 +88,9 @@ async def exercise(url: str, redis: Redis) -> None:
 
 
 async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
-    await redis.execute_command("SCRIPT", "FLUSH")
+    await server_command(redis, "SCRIPT", "FLUSH")
     if await ScriptRunner().mode(redis) is LoadMode.FUNCTIONS:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     jobs, side = StreamKeys(QUEUE, GROUP), StreamKeys(SIDE, GROUP)
     for stream in (QUEUE, SIDE):
         await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -132,7 +134,7 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             # Held past a heartbeat, then acked one; hand back the other.
             await asyncio.sleep(IDLE_MS / 1000)
             steps.append("ack")
-            await got[0].ack()
+            await maybe_awaitable(got[0].ack())
             steps.append("hand back")
             await broker.hand_back()
     finally:
@@ -157,7 +159,7 @@ async def test_the_rule_is_enough_and_nothing_in_it_is_spare(
     url = with_user(server.url, USER, PASSWORD)
     rule = worker_acl_rule([QUEUE, SIDE], GROUP, version)
     await set_user(redis, rule)
-    await redis.execute_command("ACL", "LOG", "RESET")
+    await server_command(redis, "ACL", "LOG", "RESET")
     await exercise(url, redis)
     assert await refused(redis) == []
 
@@ -165,7 +167,7 @@ async def test_the_rule_is_enough_and_nothing_in_it_is_spare(
     for command in commands:
         await redis.flushall()
         await set_user(redis, [r for r in rule if r != command])
-        await redis.execute_command("ACL", "LOG", "RESET")
+        await server_command(redis, "ACL", "LOG", "RESET")
         await exercise(url, redis)
         denied = await refused(redis)
         assert any(_same(d, command[1:]) for d in denied), (command, denied)
@@ -194,11 +196,11 @@ async def test_commands_and_keys_outside_the_rule_are_refused(
             ("XADD", StreamKeys(QUEUE, "other-group").dead_letters, "*", "a", "b"),
         ):
             with pytest.raises(NoPermissionError):
-                await worker.execute_command(*forbidden)
+                await server_command(worker, *forbidden)
         if int(version.split(".")[0]) >= 7:
             for forbidden in (("FUNCTION", "FLUSH"), ("FUNCTION", "DELETE", "x")):
                 with pytest.raises(NoPermissionError):
-                    await worker.execute_command(*forbidden)
+                    await server_command(worker, *forbidden)
     finally:
         await worker.aclose()
 
@@ -215,9 +217,9 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
         await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
-        await redis.execute_command("SCRIPT", "FLUSH")
+        await server_command(redis, "SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
-            await redis.execute_command("FUNCTION", "FLUSH")
+            await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
             await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
     finally:
@@ -289,7 +291,7 @@ async def test_the_acl_command_prints_a_rule_the_server_takes(
     assert words[6:] == rule
     assert "~*" not in rule and "+@all" not in rule
     words[5] = f">{PASSWORD}"
-    assert await redis.execute_command(*words) in (b"OK", "OK")
+    assert await server_command(redis, *words) in (b"OK", "OK")
 
 
 @pytest.mark.worker_acl
@@ -299,7 +301,7 @@ async def test_the_suite_runs_workers_as_the_documented_rule(
     """What the worker_acl tests run with: the documented rule for their names."""
     assert f"{WORKER_USER}:" in server.url
     version = await version_of(redis)
-    user: Any = await redis.execute_command("ACL", "GETUSER", WORKER_USER)
+    user: Any = await server_command(redis, "ACL", "GETUSER", WORKER_USER)
     fields = (
         dict(zip(user[::2], user[1::2], strict=True))
         if isinstance(user, list)
@@ -347,8 +349,8 @@ async def test_a_worker_with_a_result_backend_runs_under_the_printed_rule(
     assert printed.returncode == 0, printed.stderr
     words = printed.stdout.splitlines()[1].split()
     words[5] = f">{PASSWORD}"
-    await redis.execute_command(*words)
-    await redis.execute_command("ACL", "LOG", "RESET")
+    await server_command(redis, *words)
+    await server_command(redis, "ACL", "LOG", "RESET")
     url = with_user(server.url, USER, PASSWORD)
     broker = AtomicRedisStreamBroker(
         url, queue_name=QUEUE, consumer_group_name=GROUP, xread_block=100

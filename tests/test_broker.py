@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 from taskiq import AckableMessage
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from tests.conftest import Server
@@ -95,7 +96,7 @@ async def test_ack_removes_the_message_from_the_pel(
     received = await receive(broker.listen(), 2)
     assert received is not None
     assert (await redis.xpending(broker.queue_name, "taskiq"))["pending"] == 1
-    await received.ack()
+    await maybe_awaitable(received.ack())
     assert (await redis.xpending(broker.queue_name, "taskiq"))["pending"] == 0
 
 
@@ -115,7 +116,7 @@ async def test_idle_queue_reclaims_a_dead_consumers_message(
     assert reclaimed.data == b"orphan"
     assert time.monotonic() - delivered >= IDLE_MS / 1000
     assert alive.metrics.snapshot()["claimed"] == 1
-    await reclaimed.ack()
+    await maybe_awaitable(reclaimed.ack())
     assert (await redis.xpending(alive.queue_name, "taskiq"))["pending"] == 0
 
 
@@ -133,7 +134,7 @@ async def test_additional_streams_are_reclaimed_too(
     reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
     assert reclaimed is not None
     assert reclaimed.data == b"side"
-    await reclaimed.ack()
+    await maybe_awaitable(reclaimed.ack())
     assert (await redis.xpending("extra", "taskiq"))["pending"] == 0
 
 
@@ -154,7 +155,7 @@ async def test_a_leftover_taskiq_redis_lock_does_not_block_reclaim(
     reclaimed = await receive(alive.listen(), (IDLE_MS + INTERVAL_MS) / 1000 + 2)
     assert reclaimed is not None
     assert reclaimed.data == b"still-recovered"
-    await reclaimed.ack()
+    await maybe_awaitable(reclaimed.ack())
     assert await redis.pttl(legacy) == -1, "a foreign key is left as it was"
 
 
@@ -167,7 +168,7 @@ async def test_busy_worker_keeps_its_message_until_idle_timeout(
     received = await receive(owner.listen(), 2)
     assert received is not None
     assert await receive(other.listen(), 1.0) is None
-    await received.ack()
+    await maybe_awaitable(received.ack())
 
 
 @pytest.mark.parametrize(

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
+from tests.conftest import server_command
 
 STREAM, GROUP = "jobs", "workers"
 KEYS = StreamKeys(STREAM, GROUP)
@@ -33,7 +36,7 @@ async def pending_for(redis: Redis, consumer: str, count: int = 10) -> list[byte
     await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
     for number in range(count):
         await redis.xadd(STREAM, {"data": f"task-{number}"})
-    reply = await redis.xreadgroup(GROUP, consumer, {STREAM: ">"}, count=count)
+    reply: Any = await redis.xreadgroup(GROUP, consumer, {STREAM: ">"}, count=count)
     return [entry_id for entry_id, _ in reply[0][1]]
 
 
@@ -45,7 +48,7 @@ async def claim(
 
 async def owner_of(redis: Redis, entry_id: bytes) -> str:
     [entry] = await redis.xpending_range(STREAM, GROUP, entry_id, entry_id, 1)
-    return entry["consumer"].decode()
+    return text(entry["consumer"])
 
 
 async def test_idle_entries_move_to_the_claimer(redis: Redis) -> None:
@@ -130,7 +133,7 @@ async def test_cursor_reaches_entries_beyond_count_times_ten(redis: Redis) -> No
     # resumes where the last call stopped.
     ids = await pending_for(redis, "dead", 60)
     await asyncio.sleep(1.1)
-    await redis.xclaim(STREAM, GROUP, "busy", 0, ids[:50], justid=True)
+    await redis.xclaim(STREAM, GROUP, "busy", 0, list(ids[:50]), justid=True)
     runner, claim_settings = ScriptRunner(), settings(idle_timeout=1000, batch=2)
 
     claimed: list[str] = []
@@ -197,9 +200,9 @@ async def test_flushed_scripts_are_reloaded_once(redis: Redis) -> None:
     runner = ScriptRunner()
     mode = await runner.load(redis)
     if mode is LoadMode.FUNCTIONS:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     else:
-        await redis.execute_command("SCRIPT", "FLUSH")
+        await server_command(redis, "SCRIPT", "FLUSH")
     outcome = await claim(redis, "alive", settings(), runner)
     assert len(outcome.entries) == 1
     assert runner.reloads == 1
@@ -208,10 +211,10 @@ async def test_flushed_scripts_are_reloaded_once(redis: Redis) -> None:
 
 
 async def test_never_loaded_scripts_load_on_first_call(redis: Redis) -> None:
-    await redis.execute_command("SCRIPT", "FLUSH")
+    await server_command(redis, "SCRIPT", "FLUSH")
     runner = ScriptRunner()
     if await runner.mode(redis) is LoadMode.FUNCTIONS:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     await pending_for(redis, "dead", 1)
     outcome = await claim(redis, "alive", settings(idle_timeout=60_000), runner)
     assert not outcome.skipped

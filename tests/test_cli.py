@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.embedded_server import free_port
+from taskiq_atomic_claim.admin.inspection import text
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
-from tests.conftest import Server
+from tests.conftest import Server, server_command
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,9 +30,9 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_check_fails_until_load_then_passes(server: Server, redis: Redis) -> None:
-    await redis.execute_command("SCRIPT", "FLUSH")
+    await server_command(redis, "SCRIPT", "FLUSH")
     if server.major >= 7:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     missing = cli("check", "--url", server.url)
     assert missing.returncode == 1
     assert "missing" in missing.stdout
@@ -53,8 +54,9 @@ async def test_check_reports_an_older_library_as_outdated(
     runner = ScriptRunner()
     if await runner.mode(redis) is not LoadMode.FUNCTIONS:
         return  # scripts have no names to be outdated by; covered above
-    await redis.execute_command("FUNCTION", "FLUSH")
-    await redis.execute_command(
+    await server_command(redis, "FUNCTION", "FLUSH")
+    await server_command(
+        redis,
         "FUNCTION",
         "LOAD",
         "#!lua name=taskiq_atomic_claim_000000000000\n"
@@ -69,7 +71,7 @@ async def test_check_reports_an_older_library_as_outdated(
     assert "taskiq_atomic_claim_000000000000" in result.stdout
     await runner.load(redis)
     assert (await runner.status(redis)).state is LibraryState.CURRENT
-    await redis.execute_command("FUNCTION", "FLUSH")
+    await server_command(redis, "FUNCTION", "FLUSH")
 
 
 def test_bad_url_is_one_line_and_non_zero() -> None:
@@ -104,7 +106,7 @@ def test_missing_url_is_a_usage_error() -> None:
 async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) -> None:
     keys = StreamKeys("jobs", "workers")
     ids = [
-        (
+        text(
             await redis.xadd(
                 keys.dead_letters,
                 {
@@ -114,7 +116,7 @@ async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) ->
                     "dead_letter_reason": "max_deliveries exceeded",
                 },
             )
-        ).decode()
+        )
         for n in range(3)
     ]
     listed = cli(

@@ -28,8 +28,8 @@ from taskiq_atomic_claim.cluster_broker import (
     SlotRoutedClient,
     slot_groups,
 )
-from taskiq_atomic_claim.drill_app import events_stream
-from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.harness.drill_app import events_stream
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
 from tests.test_cli import cli

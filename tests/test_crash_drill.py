@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.drill import drill_queue, run_drill, running_workers
+from taskiq_atomic_claim.harness.drill import drill_queue, run_drill, running_workers
 from tests.conftest import Server
 
 IDLE_MS, INTERVAL_MS = 2000, 500
@@ -44,9 +45,10 @@ async def test_killed_workers_task_runs_again_on_an_idle_queue(
 
 
 async def finished_runs(redis: Redis, events_stream: str) -> set[str]:
+    entries: Any = await redis.xrange(events_stream)
     return {
         fields[b"run"].decode()
-        for _, fields in await redis.xrange(events_stream)
+        for _, fields in entries
         if fields[b"event"] == b"finished"
     }
 
@@ -66,7 +68,7 @@ async def test_long_task_on_a_live_worker_runs_exactly_once(
             await drill.kick("long", 3 * idle_ms / 1000)
             assert await drill.events.wait_for("finished", deadline, "long")
             await asyncio.sleep(idle_ms / 1000)  # room for a wrong second run
-        events = await redis.xrange(drill.events.stream)
+        events: Any = await redis.xrange(drill.events.stream)
         starts = [f for _, f in events if f[b"event"] == b"started"]
         assert len(starts) == 1, starts
 

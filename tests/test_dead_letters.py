@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.formatters.json_formatter import JSONFormatter
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.dead_letters import (
+from taskiq_atomic_claim.admin.dead_letters import (
     entry_time,
     list_dead_letters,
-    move_to_dead_letters,
     requeue_dead_letters,
 )
+from taskiq_atomic_claim.admin.inspection import text
+from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -46,7 +49,7 @@ async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
     redis: Redis,
 ) -> None:
     await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-    poison = (await redis.xadd(STREAM, {"data": b"\x00poison"})).decode()
+    poison = text(await redis.xadd(STREAM, {"data": b"\x00poison"}))
     await redis.xreadgroup(GROUP, "victim-0", {STREAM: ">"})
     runner = ScriptRunner()
     # Each victim starts the task and dies; crashes 1 and 2 are below
@@ -121,14 +124,15 @@ async def test_requeue_puts_dead_letters_back_on_their_stream(redis: Redis) -> N
     runner = ScriptRunner()
     moved = await requeue_dead_letters(runner, redis, KEYS, [dead[1].id, "9-9"])
     assert [old for old, _ in moved] == [dead[1].id]
-    [(_, fields)] = await redis.xrange(STREAM)
+    entries: Any = await redis.xrange(STREAM)
+    [(_, fields)] = entries
     assert fields == {b"data": b"task-1"}
     rest = await requeue_dead_letters(runner, redis, KEYS)
     assert len(rest) == 2
     assert await redis.xlen(KEYS.dead_letters) == 0
     assert await redis.xlen(STREAM) == 3
     # Requeued entries are new messages the group reads normally.
-    reply = await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
+    reply: Any = await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
     assert len(reply[0][1]) == 3
 
 
@@ -146,7 +150,7 @@ async def test_broker_dead_letters_entries_without_data(
         )
         received = await asyncio.wait_for(broker.listen().__anext__(), 3)
         assert received.data == b"real", "the bad entry did not stop listen()"
-        await received.ack()
+        await maybe_awaitable(received.ack())
         keys = StreamKeys("taskiq", "taskiq")
         [dead] = await list_dead_letters(redis, keys)
         assert dead.reason == "no data field"
@@ -159,7 +163,7 @@ async def test_broker_dead_letters_entries_without_data(
 
 async def dead_letter(redis: Redis, data: bytes, field: str = "data") -> str:
     """``data`` sent, delivered, and moved to the dead letters by the script."""
-    entry_id = (await redis.xadd(STREAM, {field: data})).decode()
+    entry_id = text(await redis.xadd(STREAM, {field: data}))
     await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
     await move_to_dead_letters(
         ScriptRunner(), redis, KEYS, entry_id, "max_deliveries exceeded"

@@ -9,13 +9,14 @@ from typing import Any
 from redis.asyncio import Redis
 from taskiq import AckableMessage
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.doctor import Finding, Thresholds, apply_fixes, diagnose
+from taskiq_atomic_claim.admin.doctor import Finding, Thresholds, apply_fixes, diagnose
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
-from tests.conftest import Server
+from tests.conftest import Server, server_command
 from tests.test_cli import cli
 
 KEYS = StreamKeys("jobs", "workers")
@@ -26,9 +27,8 @@ async def healthy_group(redis: Redis) -> None:
     await ScriptRunner().load(redis)
     await redis.xgroup_create(KEYS.stream, KEYS.group, id="0", mkstream=True)
     await redis.xadd(KEYS.stream, {"data": "done"})
-    [(_, [(entry_id, _)])] = await redis.xreadgroup(
-        KEYS.group, "worker", {KEYS.stream: ">"}
-    )
+    reply: Any = await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
+    [(_, [(entry_id, _)])] = reply
     await redis.xack(KEYS.stream, KEYS.group, entry_id)
 
 
@@ -108,9 +108,9 @@ async def test_a_consumer_that_read_meanwhile_is_not_deleted(
 
 async def test_fix_loads_a_missing_library(server: Server, redis: Redis) -> None:
     await healthy_group(redis)
-    await redis.execute_command("SCRIPT", "FLUSH")
+    await server_command(redis, "SCRIPT", "FLUSH")
     if server.major >= 7:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     found = cli("doctor", "--url", server.url)
     assert found.returncode == 1
     assert "[library]" in found.stdout and "missing" in found.stdout
@@ -262,7 +262,7 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
             for item in got:
                 if item is not None:
                     seen.add(item.data)
-                    await item.ack()
+                    await maybe_awaitable(item.ack())
             if len(seen) == 6 and got == [None, None]:
                 break
         assert seen == {f"a{n}".encode() for n in range(6)}
@@ -281,7 +281,7 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
         reclaimer = Listener(new.listen())
         got_new = await reclaimer.pull(IDLE_MS / 1000 + 3)
         assert got_new is not None and got_new.data == b"held-by-old"
-        await got_new.ack()
+        await maybe_awaitable(got_new.ack())
         await reclaimer.die()
 
         # A new worker dies holding a message; an old one reclaims it, as
@@ -302,7 +302,7 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
         assert sorted(m.data for m in taken if m) == [b"held-by-new", b"traffic"]
         for item in taken:
             assert item is not None
-            await item.ack()
+            await maybe_awaitable(item.ack())
         await reclaimer.die()
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert await redis.keys("autoclaim:*") == []
@@ -311,7 +311,7 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
             await broker.shutdown()
 
 
-def old_dead_letter(stream: str, group: str, data: str) -> dict[str, str]:
+def old_dead_letter(stream: str, group: str, data: str) -> dict[Any, Any]:
     """A dead letter as earlier releases' dead_letter script wrote it."""
     return {
         "data": data,
@@ -333,8 +333,8 @@ async def test_fix_moves_dead_letters_from_old_key_names(
     assert old_key == StreamKeys("{s}", "g").legacy_dead_letters
     plain, braced = StreamKeys("s", "g"), StreamKeys("{s}", "g")
     written = []
-    for stream, data in [("s", "a"), ("{s}", "b"), ("s", "c"), ("{s}", "d")] * 130:
-        written.append(await redis.xadd(old_key, old_dead_letter(stream, "g", data)))
+    for stream, body in [("s", "a"), ("{s}", "b"), ("s", "c"), ("{s}", "d")] * 130:
+        written.append(await redis.xadd(old_key, old_dead_letter(stream, "g", body)))
     # A later letter already in the new key: older ones get new ids there.
     await redis.xadd(braced.dead_letters, old_dead_letter("{s}", "g", "new"))
 
@@ -350,12 +350,14 @@ async def test_fix_moves_dead_letters_from_old_key_names(
     assert await redis.exists(old_key) == 0
 
     async def data(key: str) -> list[bytes]:
-        return [fields[b"data"] for _, fields in await redis.xrange(key)]
+        entries: Any = await redis.xrange(key)
+        return [fields[b"data"] for _, fields in entries]
 
     assert await data(plain.dead_letters) == [b"a", b"c"] * 130
     assert await data(braced.dead_letters) == [b"new", *[b"b", b"d"] * 130]
     # Ids (when each was dead-lettered) are kept where the target allowed.
-    kept = [entry_id for entry_id, _ in await redis.xrange(plain.dead_letters)]
+    entries: Any = await redis.xrange(plain.dead_letters)
+    kept = [entry_id for entry_id, _ in entries]
     assert kept == written[0::2]
 
     listed = cli("dead-letters", "--url", server.url, "--queue", "{s}", "--group", "g")

@@ -28,10 +28,10 @@ from taskiq.exceptions import SendTaskError
 from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker, AtomicRedisStreamClusterBroker
-from taskiq_atomic_claim.drill_app import events_stream
-from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.group_recovery import recreate_group
-from tests.conftest import Server
+from taskiq_atomic_claim.harness.drill_app import events_stream
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from tests.conftest import Server, server_command
 from tests.empty_restart_app import TASK_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +242,7 @@ def _message(body: str) -> Any:
 @contextlib.asynccontextmanager
 async def server_config(redis: Redis, **settings: str) -> AsyncIterator[None]:
     """Change the shared server's settings for one test, then put them back."""
-    before = {name: (await redis.config_get(name))[name] for name in settings}
+    before = {name: str((await redis.config_get(name))[name]) for name in settings}
     for name, value in settings.items():
         await redis.config_set(name, value)
     try:
@@ -282,12 +282,12 @@ async def test_a_worker_without_config_in_its_acl_checks_what_info_tells(
     """The documented worker ACL has +info, not CONFIG: the eviction policy
     is still checked, the save points are not even asked for (nothing lands
     in ACL LOG), and the worker starts."""
-    await redis.execute_command("ACL", "LOG", "RESET")
+    await server_command(redis, "ACL", "LOG", "RESET")
     async with server_config(redis, **{"maxmemory-policy": "volatile-lru"}):
         logged = await start_and_log(server.worker_url, caplog)
     assert any("maxmemory-policy is volatile-lru" in line for line in logged)
     assert not any("save points" in line for line in logged), logged
-    assert await redis.execute_command("ACL", "LOG") == []
+    assert await server_command(redis, "ACL", "LOG") == []
 
 
 async def test_a_cluster_worker_checks_every_primary(

@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 from taskiq import AckableMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.embedded_server import free_port
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from tests.conftest import Server
 from tests.test_broker import message, receive
 

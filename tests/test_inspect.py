@@ -10,13 +10,12 @@ from urllib.parse import urlsplit
 import pytest
 from redis.asyncio import Redis
 
-import taskiq_atomic_claim.inspection as inspection_module
+import taskiq_atomic_claim.admin.inspection as inspection_module
+import taskiq_atomic_claim.admin.inspection_json as inspection_json_module
+from taskiq_atomic_claim.admin.inspection import inspect_server
+from taskiq_atomic_claim.admin.inspection_json import inspection_to_json
 from taskiq_atomic_claim.claim import claim_idle_entries
-from taskiq_atomic_claim.inspection import (
-    inspect_server,
-    inspection_to_json,
-    render_inspection,
-)
+from taskiq_atomic_claim.cli.inspect import render_inspection
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -124,7 +123,7 @@ async def test_json_is_the_documented_shape(server: Server, redis: Redis) -> Non
     assert group["lease"]["holder"] == "carol"
     assert group["dead_letters"] == {"key": KEYS.dead_letters, "count": 2}
     # Every key the code emits is named in the module's documentation.
-    doc = inspection_module.__doc__ or ""
+    doc = inspection_json_module.__doc__ or ""
     for key in {*TOP, *LIBRARY_KEYS, *STREAM_KEYS, *GROUP_KEYS, *CONSUMER_KEYS}:
         assert f'"{key}"' in doc, key
 

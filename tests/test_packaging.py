@@ -8,7 +8,7 @@ import venv
 import zipfile
 from pathlib import Path
 
-from taskiq_atomic_claim.embedded_server import LocalServer, default_binary
+from taskiq_atomic_claim.harness.embedded_server import LocalServer, default_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,25 +22,25 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.acl import worker_acl_rule
+from taskiq_atomic_claim.admin.inspection import inspect_server
 from taskiq_atomic_claim.cli import main
-from taskiq_atomic_claim.doctor import worker_acl_rule
-from taskiq_atomic_claim.embedded_server import free_port
-from taskiq_atomic_claim.inspection import inspect_server
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
-from tests.conftest import Server, with_user
+from tests.conftest import Server, server_command, with_user
 
 USER, PASSWORD = "property-worker", "property-password"
 LUA_NAME = "\"]] ; redis.call('FLUSHALL') --[[ ' end"
-TRICKY = ["{jobs}", "a{b", "}{", "a:b c", "ключ", "🚀 queue", " ", LUA_NAME]
 
 # Any text, with the characters that mean something to Redis, Lua, ACL
 # patterns or shells drawn often.
 names = st.text(
     alphabet=st.one_of(
         st.sampled_from("{}:*?[]\\\"' \t-_.=%$\n"),
-        st.characters(exclude_categories=("Cs",)),
+        st.characters(exclude_categories=["Cs"]),
     ),
     max_size=24,
 )
@@ -77,8 +77,62 @@ PARAMETERS = (
 )
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stored(broker: AtomicRedisStreamBroker, parameter: str) -> Any:
+    """Where the broker keeps an accepted value: the parent's attribute where
+    taskiq-redis has one, else the checked claim settings."""
+    where = {
+        "xread_block": "block",
+        "xread_count": "count",
+        "claim_interval": "claim_settings.claim_interval",
+        "max_deliveries": "claim_settings.max_deliveries",
+    }.get(parameter, parameter)
+    value: Any = broker
+    for part in where.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# What each parameter accepts, as its error messages state it (idle_timeout
+# is 10_000 ms in every example, so claim_interval must stay below it).
+VALID: dict[str, Any] = {
+    "queue_name": lambda v: isinstance(v, str) and v != "",
+    "consumer_group_name": lambda v: isinstance(v, str) and v != "",
+    "consumer_name": lambda v: isinstance(v, str) and v != "",
+    "idle_timeout": lambda v: _whole(v) and v >= 2,
+    "claim_interval": lambda v: v is None or (_whole(v) and 1 <= v < 10_000),
+    "unacknowledged_batch_size": lambda v: _whole(v) and v >= 1,
+    "unacknowledged_lock_timeout": lambda v: (
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v > 0)
+    ),
+    "max_deliveries": lambda v: v is None or (_whole(v) and v >= 1),
+    "xread_block": lambda v: _whole(v) and v >= 0,
+    "xread_count": lambda v: v is None or (_whole(v) and v >= 1),
+    "maxlen": lambda v: v is None or (_whole(v) and v >= 1),
+    "additional_streams": lambda v: (
+        v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v))
+    ),
+}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(PARAMETERS), anything)
+# The smallest value each accepts, and values taken as they are.
+@example("idle_timeout", 2)
+@example("claim_interval", 1)
+@example("claim_interval", 9_999)
+@example("unacknowledged_batch_size", 1)
+@example("unacknowledged_lock_timeout", 0.001)
+@example("max_deliveries", 1)
+@example("max_deliveries", None)
+@example("xread_block", 0)
+@example("xread_count", 1)
+@example("maxlen", 1)
+@example("additional_streams", {"other": "0-1"})
+@example("queue_name", LUA_NAME)
 def test_the_constructor_accepts_or_names_the_parameter(
     parameter: str, value: Any
 ) -> None:
@@ -92,11 +146,16 @@ def test_the_constructor_accepts_or_names_the_parameter(
         if parameter in NAME_PARAMETERS:
             assert not (isinstance(value, str) and value)
         return
-    if parameter in NAME_PARAMETERS:
-        assert isinstance(value, str) and value
-        assert getattr(broker, parameter) == value
-    if parameter == "additional_streams" and value is not None:
-        assert all(isinstance(k, str) and k for k in value)
+    # Accepted: the value is one the parameter's rule allows, and the broker
+    # keeps it as given (None: the documented default instead).
+    assert VALID[parameter](value), (parameter, value)
+    stored = _stored(broker, parameter)
+    if value is None:
+        assert parameter != "max_deliveries" or stored == 0  # never dead-letter
+    elif parameter == "max_deliveries":
+        assert stored == value
+    else:
+        assert stored == value and type(stored) is type(value), (parameter, stored)
 
 
 # End to end, as a worker whose ACL was made for these very names.
@@ -131,7 +190,7 @@ async def test_any_valid_names_work_end_to_end(
         return
     await redis.flushall()
     version = str((await redis.info("server"))["redis_version"])
-    await redis.execute_command(
+    await server_command(redis,
         "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}",
         *worker_acl_rule([queue], group, version),
     )  # fmt: skip
@@ -141,7 +200,7 @@ async def test_any_valid_names_work_end_to_end(
         await broker.kick(message(queue))
         received = await asyncio.wait_for(broker.listen().__anext__(), 5)
         assert received.data == queue.encode()
-        await received.ack()
+        await maybe_awaitable(received.ack())
         keys = StreamKeys(queue, group)
         # Came back from ARGV exactly as sent: the claim script's lease holder.
         assert await redis.get(keys.lease) == consumer.encode()
@@ -279,6 +338,7 @@ def test_sentinel_options_work_or_fail_in_one_line(
     port=ports,
 )
 @example(command="load", port="[")  # urlsplit raises ValueError on it
+@example(command="load", port="@")  # a URL with no host: RedisCluster refuses it
 def test_cluster_urls_work_or_fail_in_one_line(command: str, port: str) -> None:
     extra = ["--all"] if command == "requeue" else []
     code, out, err = run_cli(

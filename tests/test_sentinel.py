@@ -20,8 +20,8 @@ import pytest
 from redis import Redis as SyncRedis
 from taskiq.kicker import AsyncKicker
 
-from taskiq_atomic_claim.drill_app import events_stream
-from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.harness.drill_app import events_stream
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 from tests.test_cli import cli

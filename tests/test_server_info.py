@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.doctor import apply_fixes, diagnose
-from taskiq_atomic_claim.embedded_server import LocalServer
+from taskiq_atomic_claim.admin.doctor import apply_fixes, diagnose
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY
 from taskiq_atomic_claim.server_info import (
     LUA_CLAIM,
@@ -20,7 +20,7 @@ from taskiq_atomic_claim.server_info import (
     ServerInfo,
     read_server_info,
 )
-from tests.conftest import Server
+from tests.conftest import Server, server_command
 from tests.test_cli import cli
 
 
@@ -44,7 +44,7 @@ async def test_capabilities_match_what_the_server_does(redis: Redis) -> None:
 
     async def accepts(*command: str) -> bool:
         try:
-            await redis.execute_command(*command)
+            await server_command(redis, *command)
         except ResponseError:
             return False
         return True
@@ -79,7 +79,7 @@ def test_a_server_the_suite_did_not_start_reads_its_real_version(
 async def test_broker_refuses_a_user_who_may_not_call_scripts(
     server: Server, redis: Redis
 ) -> None:
-    await redis.execute_command(
+    await server_command(redis,
         "ACL", "SETUSER", "noscripts", "reset", "on", ">pw", "~*", "+@all",
         "-@scripting",
     )  # fmt: skip
@@ -90,7 +90,7 @@ async def test_broker_refuses_a_user_who_may_not_call_scripts(
             await broker.startup()
         await broker.shutdown()
     finally:
-        await redis.execute_command("ACL", "DELUSER", "noscripts")
+        await server_command(redis, "ACL", "DELUSER", "noscripts")
 
 
 async def test_broker_refuses_a_server_with_scripting_disabled(server: Server) -> None:

@@ -6,14 +6,29 @@ import os
 
 import pytest
 
-from tests.conftest import _BINARIES, DOCKER_UNREACHABLE, missing_servers
+from tests.conftest import (
+    _BINARIES,
+    DOCKER_UNREACHABLE,
+    _server_params,
+    missing_servers,
+)
 
 
 def test_testcontainers_redis_when_docker_answers() -> None:
-    # The container itself is one of the `server` fixture's params; this test
-    # only says, once, why that param is absent.
+    # The container is one of the `server` fixture's params; when Docker
+    # answers, it is in the matrix and serves the Redis the suite names.
     if DOCKER_UNREACHABLE is not None:
         pytest.skip(f"testcontainers server not used: {DOCKER_UNREACHABLE}")
+    assert "container" in _server_params()
+    from testcontainers.redis import RedisContainer  # noqa: PLC0415
+
+    with RedisContainer("redis:7.4") as container:
+        client = container.get_client()
+        try:
+            assert client.ping()
+            assert str(client.info("server")["redis_version"]).startswith("7.4.")
+        finally:
+            client.close()
 
 
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI requirement only")

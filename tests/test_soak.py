@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from taskiq_atomic_claim.soak import durable_server, run_soak
+from taskiq_atomic_claim.harness.soak import durable_server, run_soak
 from tests.conftest import _BINARIES
 
 # 6.2 loses its scripts on restart (EVALSHA path); 7.x keeps functions.

@@ -116,7 +116,7 @@ async def test_a_message_the_receiver_skips_is_not_kept_pending(
         pending = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
         assert pending == [], pending
         dead = await redis.xrange(StreamKeys("taskiq", "taskiq").dead_letters)
-        assert len(dead) >= 1, dead  # the unparsable one (0.12: both)
+        assert dead and len(dead) >= 1, dead  # the unparsable one (0.12: both)
     finally:
         await listen.aclose()
         await broker.shutdown()

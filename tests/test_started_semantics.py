@@ -19,11 +19,13 @@ import pytest
 from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
 from taskiq.receiver import Receiver
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.dead_letters import DeadLetter, list_dead_letters
-from taskiq_atomic_claim.drill import Events, _taskiq_command
-from taskiq_atomic_claim.drill_app import TASK_NAME, events_stream
+from taskiq_atomic_claim.admin.dead_letters import DeadLetter, list_dead_letters
+from taskiq_atomic_claim.dead_letters import text
+from taskiq_atomic_claim.harness.drill import Events, _taskiq_command
+from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
@@ -231,7 +233,7 @@ async def test_a_task_taskiq_drops_unacked_and_unparsable_data_are_dead_lettered
     # pending (heartbeated for ever) or vanish without a trace.
     async with fresh_queue(server, redis, tmp_path) as queue:
         await queue.kick(TASK_NAME, "bogus", 0.01, ack_type="bogus")
-        garbage = (await redis.xadd(queue.name, {"data": b"\xffnot json"})).decode()
+        garbage = text(await redis.xadd(queue.name, {"data": b"\xffnot json"}))
         await queue.kick(TASK_NAME, "fine", 0.01)
         with stopped_at_exit() as workers:
             workers.append(queue.worker("w"))
@@ -280,13 +282,13 @@ async def test_entries_read_but_never_handed_to_taskiq_are_handed_back(
         assert sorted(m.data for m in taken) == [b"m1", b"m2"]
         assert "not started yet" in caplog.text
         for item in taken:
-            await item.ack()
+            await maybe_awaitable(item.ack())
         # The owner no longer holds them, so it never yields them.
         assert owner.in_flight["taskiq"] == {first.data.entry_id}  # type: ignore[attr-defined]
         with contextlib.suppress(asyncio.TimeoutError):
             again = await asyncio.wait_for(owner_listener.__anext__(), 1)
             pytest.fail(f"yielded an entry it no longer owns: {again.data!r}")
-        await first.ack()
+        await maybe_awaitable(first.ack())
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await owner.shutdown()
@@ -301,7 +303,7 @@ async def test_a_failed_claim_on_a_later_stream_keeps_what_earlier_ones_took(
     # the entry. Dropped from the batch, it would wait another idle_timeout.
     idle_ms = 5000
     await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
-    orphan = (await redis.xadd("taskiq", {"data": b"orphan"})).decode()
+    orphan = text(await redis.xadd("taskiq", {"data": b"orphan"}))
     await redis.xreadgroup("taskiq", "dead", {"taskiq": ">"})
     await redis.xclaim(
         "taskiq", "taskiq", "dead", 0, [orphan], idle=10 * idle_ms, justid=True
@@ -316,7 +318,7 @@ async def test_a_failed_claim_on_a_later_stream_keeps_what_earlier_ones_took(
         await redis.delete("extra")
         received = await asyncio.wait_for(broker.listen().__anext__(), idle_ms / 2000)
         assert received.data == b"orphan"
-        await received.ack()
+        await maybe_awaitable(received.ack())
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
@@ -335,7 +337,7 @@ async def test_a_manual_ack_task_that_never_acks_is_dead_lettered(
         await forgets.kiq()
         delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
         [pending] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 1)
-        entry_id = pending["message_id"].decode()
+        entry_id = text(pending["message_id"])
         # taskiq's own receiver, in a task of its own as in a worker.
         receiver = Receiver(broker, run_startup=False)
         await asyncio.create_task(receiver.callback(delivered))

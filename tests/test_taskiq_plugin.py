@@ -8,7 +8,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from tests.conftest import Server
+from tests.conftest import Server, server_command
 from tests.test_cli import cli
 
 
@@ -33,9 +33,9 @@ def test_taskiq_lists_the_plugin() -> None:
 async def test_taskiq_atomic_claim_runs_the_same_commands(
     server: Server, redis: Redis
 ) -> None:
-    await redis.execute_command("SCRIPT", "FLUSH")
+    await server_command(redis, "SCRIPT", "FLUSH")
     if server.major >= 7:
-        await redis.execute_command("FUNCTION", "FLUSH")
+        await server_command(redis, "FUNCTION", "FLUSH")
     missing = taskiq("atomic-claim", "check", "--url", server.url)
     assert missing.returncode == 1, missing.stdout + missing.stderr
     assert missing.stdout == cli("check", "--url", server.url).stdout

@@ -14,15 +14,21 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from taskiq.message import BrokerMessage
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.embedded_server import LocalServer, find_binaries, free_port
+from taskiq_atomic_claim.harness.embedded_server import (
+    LocalServer,
+    find_binaries,
+    free_port,
+)
 from taskiq_atomic_claim.scripts import LIBRARY
-from tests.conftest import assert_every_key_expires
+from tests.conftest import assert_every_key_expires, server_command
 from tests.test_cli import cli
 
 pytestmark = pytest.mark.tls
@@ -153,7 +159,7 @@ async def test_the_connection_really_is_tls(
 async def test_broker_round_trip_and_reclaim_over_tls(
     tls_server: TlsServer, admin: Redis
 ) -> None:
-    common = {
+    common: dict[str, Any] = {
         "idle_timeout": IDLE_MS,
         "claim_interval": INTERVAL_MS,
         "xread_block": 200,
@@ -175,7 +181,7 @@ async def test_broker_round_trip_and_reclaim_over_tls(
             alive.listen().__anext__(), (IDLE_MS + INTERVAL_MS) / 1000 + 3
         )
         assert reclaimed.data == b"over-tls"
-        await reclaimed.ack()
+        await maybe_awaitable(reclaimed.ack())
         assert alive.metrics.snapshot()["claimed"] == 1
         assert (await admin.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
@@ -184,7 +190,7 @@ async def test_broker_round_trip_and_reclaim_over_tls(
 
 
 async def test_cli_over_tls(tls_server: TlsServer, admin: Redis) -> None:
-    await admin.execute_command("FUNCTION", "FLUSH")
+    await server_command(admin, "FUNCTION", "FLUSH")
     tls = ("--url", tls_server.url, "--tls-ca-cert", tls_server.ca)
     missing = cli("check", *tls)
     assert missing.returncode == 1, missing.stderr

@@ -21,7 +21,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import types
@@ -39,7 +38,8 @@ from redis.exceptions import RedisError
 from taskiq import AsyncBroker
 from taskiq.message import BrokerMessage
 
-from taskiq_atomic_claim.embedded_server import (
+from taskiq_atomic_claim.harness.drill import Events, worker_command
+from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     ServerBinary,
     find_binaries,
@@ -235,10 +235,6 @@ class LocalCluster(_Started):
     def url(self) -> str:
         """A startup node: any live node will do for a cluster client."""
         return next(node.server.url for node in self.nodes if node.alive)
-
-    @property
-    def startup_nodes(self) -> list[tuple[str, int]]:
-        return [(HOST, node.port) for node in self.nodes if node.alive]
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         deadline = time.monotonic() + timeout
@@ -473,9 +469,6 @@ class LocalSentinels(_Started):
         )
         return int(reply[1])
 
-    def server_on(self, port: int) -> LocalServer:
-        return next(server for server in self.servers if server.port == port)
-
     def ready(self) -> bool:
         """Every sentinel: same master, sees every other sentinel, and every
         replica with its link up."""
@@ -513,10 +506,6 @@ class LocalSentinels(_Started):
 
         wait_until("sentinels agree on a new master", switched, timeout)
         return self.master_port(), time.monotonic() - started
-
-    def wait_settled(self, timeout: float = 60.0) -> float:
-        """Seconds until the demoted master replicates from the new one."""
-        return wait_until("topology settled", self.ready, timeout, step=0.2)
 
     def close(self) -> None:
         for sentinel in self.sentinels:
@@ -623,11 +612,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.topology_app:broker"
 
 
-def _taskiq_command() -> list[str]:
-    script = Path(sys.executable).with_name("taskiq")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "taskiq"]
-
-
 class DrillWorkers:
     """``taskiq worker`` processes running ``tests.topology_app``, each in
     its own process group; every one still running is killed on exit."""
@@ -641,15 +625,8 @@ class DrillWorkers:
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
         log = (self.log_dir / f"{name}.log").open("wb")
         self._logs.append(log)
-        command = [
-            *_taskiq_command(), "worker", APP,
-            "--ack-type", "when_executed",
-            "--workers", "1",
-            "--max-prefetch", "0",
-            "--log-level", "WARNING",
-        ]  # fmt: skip
         process = subprocess.Popen(
-            command,
+            worker_command(APP),
             env={**self.env, "TAC_DRILL_WORKER": name, **env},
             cwd=REPO_ROOT,
             stdin=subprocess.DEVNULL,
@@ -692,36 +669,22 @@ class DrillWorkers:
 
 
 class EventLog:
-    """The drill app's events stream on a standalone server."""
+    """The drill app's events stream on a standalone server, read by the
+    harness's ``Events`` (which keeps an event read while waiting for
+    another), with waits given in seconds from now."""
 
     def __init__(self, url: str, stream: str) -> None:
-        self.client = AsyncRedis.from_url(url)
-        self.stream = stream
-        self.last_id = "0-0"
+        self.events = Events(AsyncRedis.from_url(url), stream)
 
     async def wait_for(
         self, event: str, timeout: float, run: str = "", worker: str | None = None
     ) -> float | None:
         """Monotonic time the event was seen, or None after ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            reply: Any = await self.client.xread(
-                {self.stream: self.last_id},
-                block=max(1, int(min(remaining, 0.5) * 1000)),
-            )
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    self.last_id = _text(entry_id)
-                    if (
-                        _text(fields[b"event"]) == event
-                        and _text(fields[b"run"]) == run
-                        and (worker is None or _text(fields[b"worker"]) == worker)
-                    ):
-                        return time.monotonic()
-        return None
+        return await self.events.wait_for(event, deadline, run, worker)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.events.client.aclose()
 
 
 def message(body: str, queue: str) -> BrokerMessage:

@@ -8,7 +8,7 @@ tests.topology_app:broker`` subprocess picks it up:
   the startup node) or the sentinels;
 - ``TAC_TOPOLOGY_MASTER``: the Sentinel master name;
 - ``TAC_DRILL_QUEUE``, ``TAC_DRILL_IDLE_TIMEOUT``, ``TAC_DRILL_CLAIM_INTERVAL``
-  and ``TAC_DRILL_WORKER`` as for ``taskiq_atomic_claim.drill_app``;
+  and ``TAC_DRILL_WORKER`` as for ``taskiq_atomic_claim.harness.drill_app``;
 - ``TAC_DRILL_EVENTS_URL``: a standalone server, outside the topology, for
   the events stream, so a failover can neither lose nor hide an event.
 """
@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from taskiq import AsyncBroker
 
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
-from taskiq_atomic_claim.drill_app import add_drill_task
+from taskiq_atomic_claim.harness.drill_app import add_drill_task
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 
 TASK_NAME = "tests.topology_app.work"

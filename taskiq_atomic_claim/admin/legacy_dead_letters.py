@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from taskiq_atomic_claim.inspection import MAX_SCAN_CALLS, SCAN_COUNT, text
+from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT, text
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 

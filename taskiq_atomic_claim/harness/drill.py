@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from taskiq import AsyncBroker
 from taskiq.kicker import AsyncKicker
 
-from taskiq_atomic_claim.drill_app import TASK_NAME, build_broker, events_stream
+from taskiq_atomic_claim.harness.drill_app import TASK_NAME, build_broker, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
 
 
@@ -92,6 +92,19 @@ def _taskiq_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "taskiq"]
 
 
+def worker_command(app: str, *extra_args: str) -> list[str]:
+    """``taskiq worker APP`` as every drill runs it: one process, acks after
+    the task ran, nothing prefetched (the test and topology drills too)."""
+    return [
+        *_taskiq_command(), "worker", app,
+        "--ack-type", "when_executed",
+        "--workers", "1",
+        "--max-prefetch", "0",
+        "--log-level", "WARNING",
+        *extra_args,
+    ]  # fmt: skip
+
+
 class Worker:
     """A ``taskiq worker`` process group, killed with the group."""
 
@@ -100,20 +113,7 @@ class Worker:
     ) -> None:
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [
-                *_taskiq_command(),
-                "worker",
-                "taskiq_atomic_claim.drill_app:broker",
-                "--ack-type",
-                "when_executed",
-                "--workers",
-                "1",
-                "--max-prefetch",
-                "0",
-                "--log-level",
-                "WARNING",
-                *extra_args,
-            ],
+            worker_command("taskiq_atomic_claim.harness.drill_app:broker", *extra_args),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self.log,

@@ -1,6 +1,8 @@
-"""Health checks behind ``doctor``, their fixes, and the ACL a worker needs.
+"""Health checks behind ``doctor`` and their fixes (the ACL a worker needs: acl.py).
 
-Findings, each with what to do (``--fix`` fixes those marked fixable):
+Findings are data: a kind, a subject, the problem, advice in words and the
+``Action`` it points to; ``cli/doctor.py`` spells the command to run.
+``apply_fixes`` fixes those marked fixable:
 
 - ``legacy-lock`` (fixable): an ``autoclaim:*`` key without an expiry, left
   by a taskiq-redis <= 1.1.x worker killed inside its claim lock; it blocks
@@ -10,7 +12,8 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
 - ``idle-consumer`` (fixable): a consumer with nothing pending that has not
   talked to the server for longer than a threshold; every restart of a
   worker with a random consumer name leaves one. The fix deletes it
-  (XGROUP DELCONSUMER), atomically only if it still has nothing pending.
+  (``lua/delete_idle_consumer.lua``), atomically only if it still has
+  nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
   other versions are loaded. The fix loads it.
 - ``misplaced-dead-letters`` (fixable): a dead-letter stream holding entries
@@ -27,21 +30,19 @@ Findings, each with what to do (``--fix`` fixes those marked fixable):
   stream without the named group, or (when discovering) without any group:
   nothing consumes it.
 
-Warnings, printed but not failing the check (``durability``):
+Warnings, reported but not failing the check (``durability``):
 ``eviction-policy`` (maxmemory-policy is not noeviction) and
 ``no-persistence`` (neither AOF nor RDB save points).
 """
 
 from __future__ import annotations
 
-import re
-import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from taskiq_atomic_claim.durability import durability_risks
-from taskiq_atomic_claim.inspection import (
+from taskiq_atomic_claim.admin.inspection import (
     MAX_SCAN_CALLS,
     SCAN_COUNT,
     duration,
@@ -49,12 +50,12 @@ from taskiq_atomic_claim.inspection import (
     plural,
     text,
 )
-from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.legacy_dead_letters import (
+from taskiq_atomic_claim.admin.legacy_dead_letters import (
     DEAD_LETTER_PATTERN,
     find_misplaced_dead_letters,
     migrate_dead_letters,
 )
+from taskiq_atomic_claim.durability import durability_risks
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
@@ -66,18 +67,6 @@ DEFAULT_STALE_PENDING_MS = 3600 * 1000
 LEGACY_LOCK_PATTERN = "autoclaim:*"
 MAX_LEGACY_LOCKS = 10_000
 
-# Deletes a consumer only while it has nothing pending, in one atomic step:
-# checking first and deleting after would drop entries it read in between
-# from the PEL, and nothing would ever reclaim them.
-# KEYS[1] stream; ARGV[1] group; ARGV[2] consumer. Returns -1 when the
-# consumer has pending entries (left alone), else what DELCONSUMER returns.
-_DELETE_IDLE_CONSUMER = """
-if #redis.call("XPENDING", KEYS[1], ARGV[1], "-", "+", 1, ARGV[2]) > 0 then
-  return -1
-end
-return redis.call("XGROUP", "DELCONSUMER", KEYS[1], ARGV[1], ARGV[2])
-"""
-
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -87,12 +76,23 @@ class Thresholds:
     lock_expiry_ms: int = DEFAULT_LOCK_EXPIRY_MS
 
 
+class Action(Enum):
+    """The CLI command a finding points to; the CLI spells it out."""
+
+    LOAD = "load the library"
+    FIX = "doctor --fix"
+    RERUN_AFTER_FIX = "run doctor again after --fix"
+    REVIEW_DEAD_LETTERS = "list, then requeue or delete, the dead letters"
+
+
 @dataclass
 class Finding:
     kind: str
     subject: str
     problem: str
-    advice: str
+    # What to do, in words: what the fix does, or what a person should do.
+    advice: str = ""
+    action: Action | None = None
     fixable: bool = False
     # What the fix acts on.
     key: str | None = None
@@ -142,8 +142,6 @@ async def diagnose(
     streams: list[str] | None = None,
     group: str | None = None,
     thresholds: Thresholds | None = None,
-    prog: str = "taskiq-atomic-claim",
-    reach: str = "--url URL",
 ) -> Diagnosis:
     limits = thresholds or Thresholds()
     inspection = await inspect_server(client, streams, group)
@@ -161,8 +159,9 @@ async def diagnose(
                 "library",
                 library.name,
                 f"this release's library is {library.state}{others}",
-                f"run `{prog} load {reach}` (workers also load it on demand"
-                " if their ACL allows FUNCTION LOAD / SCRIPT LOAD)",
+                "workers also load it on demand if their ACL allows FUNCTION"
+                " LOAD / SCRIPT LOAD",
+                Action.LOAD,
                 fixable=True,
             )
         )
@@ -175,8 +174,9 @@ async def diagnose(
                 key,
                 "no expiry: left by a taskiq-redis <= 1.1.x worker killed inside"
                 " its claim lock; old workers never reclaim while it exists",
-                f"`{prog} doctor --fix` gives it a {duration(limits.lock_expiry_ms)}"
-                " expiry (--lock-expiry-ms); upgrade those workers",
+                f"gives it a {duration(limits.lock_expiry_ms)} expiry; upgrade"
+                " those workers",
+                Action.FIX,
                 fixable=True,
                 key=key,
             )
@@ -187,7 +187,7 @@ async def diagnose(
                 "legacy-lock",
                 LEGACY_LOCK_PATTERN,
                 f"more than {len(locks)} keys to check; the scan stopped",
-                "run doctor again after --fix",
+                action=Action.RERUN_AFTER_FIX,
             )
         )
 
@@ -200,7 +200,8 @@ async def diagnose(
                 f"holds dead letters of other streams or groups ({found.sampled}"
                 " among its first entries): written under an earlier release's"
                 " key names, which `dead-letters` and `requeue` no longer read",
-                f"`{prog} doctor --fix` moves each to its stream's and group's key",
+                "moves each to its stream's and group's key",
+                Action.FIX,
                 fixable=True,
                 key=found.key,
             )
@@ -211,7 +212,7 @@ async def diagnose(
                 "misplaced-dead-letters",
                 DEAD_LETTER_PATTERN,
                 "too many keys to check; the scan stopped",
-                "run doctor again after --fix",
+                action=Action.RERUN_AFTER_FIX,
             )
         )
 
@@ -264,7 +265,7 @@ async def diagnose(
                     )
                 continue
             groups_checked += 1
-            findings += _group_findings(stream.name, view, limits, prog, reach)
+            findings += _group_findings(stream.name, view, limits)
     warnings = [
         Finding(risk.kind, "server", risk.problem, risk.advice)
         for risk in await durability_risks(client)
@@ -278,18 +279,15 @@ async def diagnose(
     )
 
 
-def _group_findings(
-    stream: str, view: Any, limits: Thresholds, prog: str, reach: str
-) -> Iterable[Finding]:
+def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Finding]:
     subject = f"{stream} / {view.name}"
-    scope = f"{reach} --queue={shlex.quote(stream)} --group={shlex.quote(view.name)}"
     if view.pending > limits.max_pending:
         yield Finding(
             "pel-size",
             subject,
             f"{plural(view.pending, 'pending entry')} (threshold {limits.max_pending})",
             "workers fall behind or keep dying: check worker logs and"
-            " dead letters, add workers (--max-pending to tune)",
+            " dead letters, add workers",
         )
     oldest = view.oldest_pending_idle_ms
     if oldest is not None and oldest > limits.stale_pending_ms:
@@ -299,15 +297,16 @@ def _group_findings(
             f"an entry has been pending for {duration(oldest)}: nobody reclaims"
             " this group",
             "start AtomicRedisStreamBroker workers (taskiq-redis 1.2.x never"
-            " reclaims on an idle queue) (--stale-pending-ms to tune)",
+            " reclaims on an idle queue)",
         )
     if view.dead_letters:
         yield Finding(
             "dead-letters",
             subject,
             f"{plural(view.dead_letters, 'dead letter')} in {view.dead_letters_key}",
-            f"review: `{prog} dead-letters {scope}`; then"
-            f" `{prog} requeue {scope} --all`, or delete them",
+            action=Action.REVIEW_DEAD_LETTERS,
+            stream=stream,
+            group=view.name,
         )
     for consumer in view.consumers:
         if consumer.pending == 0 and consumer.idle_ms > limits.consumer_idle_ms:
@@ -315,7 +314,8 @@ def _group_findings(
                 "idle-consumer",
                 f"{subject} / {consumer.name}",
                 f"nothing pending and idle for {duration(consumer.idle_ms)}",
-                f"`{prog} doctor --fix` deletes it (--consumer-idle-ms to tune)",
+                "deletes it",
+                Action.FIX,
                 fixable=True,
                 stream=stream,
                 group=view.name,
@@ -364,177 +364,12 @@ async def _expire_lock(
 
 
 async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
-    reply = await client.eval(
-        _DELETE_IDLE_CONSUMER, 1, finding.stream, finding.group, finding.consumer
+    reply = await ScriptRunner().call(
+        client,
+        "delete_idle_consumer",
+        [str(finding.stream)],
+        [str(finding.group), str(finding.consumer)],
     )
     if int(reply) == -1:
         return False, "it read entries meanwhile; left alone"
     return True, "deleted"
-
-
-# The ACL a worker needs.
-
-WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
-    ("xreadgroup", "read new entries"),
-    ("xack", "acknowledge (inside ack)"),
-    ("xadd", "kick; dead letters (inside the scripts)"),
-    ("xgroup|create", "create the group at startup and after it vanished"),
-    ("type", "refuse to start on a key that is not a stream"),
-    ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
-    ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
-    ("xautoclaim", "inside claim"),
-    ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter"),
-    ("xclaim", "inside set_idle (heartbeat, hand back)"),
-    ("xrange", "inside claim, dead_letter"),
-    ("get", "inside claim: lease holder, cursor"),
-    ("set", "inside claim: lease, cursor (always with PX)"),
-    ("del", "inside claim: finished cursor"),
-    ("pttl", "inside claim: lease lifetime"),
-    ("pexpire", "inside claim: bound a lease written without expiry; start"),
-    ("hincrby", "inside start, hand_back: count a task's starts"),
-    ("hmget", "inside claim: start counts of the claimed entries"),
-    ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
-)
-# taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
-# worker SETs results (with EX/PX when given), whoever waits reads them.
-RESULT_BACKEND_COMMANDS = (
-    ("exists", "result backend: is_result_ready"),
-    ("getdel", "result backend: get_result with keep_results=False"),
-)
-FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
-SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
-# redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
-# CLIENT MAINT_NOTIFICATIONS. It ignores a refusal, so these are not needed;
-# granting them keeps every connect out of ACL LOG. A server checks ACL before
-# looking up the subcommand only on 6.2 (which grants any name); 7.x rejects
-# unknown subcommands, and grants setinfo from 7.2 on.
-HANDSHAKE_62 = ("client|setinfo", "client|maint_notifications")
-HANDSHAKE_72 = ("client|setinfo",)
-
-WORKER_ACL = """The ACL a worker needs, for group G and queue (or additional stream) S.
-
-Keys, per stream S:
-    ~S
-    ~taskiq-atomic-claim:lease:{S}:S:G
-    ~taskiq-atomic-claim:cursor:{S}:S:G
-    ~taskiq-atomic-claim:dead:{S}:S:G
-    ~taskiq-atomic-claim:started:{S}:S:G
-  (Inside the braces, the part of S Redis hashes: its hash tag, or all of
-  S; after them, S with % and : percent-encoded; see keys.py.)
-  Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
-  NUL, which ACL patterns cannot hold, become ? (any one byte).
-Channels: none (resetchannels).
-Commands: -@all, then
-    +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
-    +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hmget +hdel
-  and, to call the library and reload it when lost (restart, flush, failover):
-    Redis/Valkey >= 7:  +fcall +function|load
-    Redis 6.2:          +evalsha +script|load
-  and, optional, so redis-py's connect is not logged as refused in ACL LOG:
-    Redis 6.2:          +client|setinfo +client|maint_notifications
-    Redis >= 7.2/Valkey: +client|setinfo
-With taskiq-redis's RedisAsyncResultBackend(prefix_str=P) (acl
---result-backend-prefix P), for the worker and whoever waits for results:
-    ~P:*  (its keys: P:<task id> and P:<task id>__progress)
-    +exists +getdel
-Scripts run with the caller's ACL, so the commands they issue are listed too.
-Without +function|load / +script|load a worker cannot reload a lost library:
-then run `taskiq-atomic-claim load` after every restart or flush.
-"""
-
-_GLOB = re.compile(r"([*?\[\]\\])")
-# What ACL SETUSER refuses in a pattern (a syntax error): ASCII whitespace and
-# NUL, each one byte, so one "?" matches it. Unicode spaces pass as they are.
-_UNSAYABLE = re.compile(r"[ \t\n\v\f\r\x00]")
-
-
-def acl_pattern(name: str) -> str:
-    """A key name as an ACL pattern matching it; where it holds whitespace or
-    NUL, which patterns cannot, "?" there matches any one byte."""
-    return _UNSAYABLE.sub("?", _GLOB.sub(r"\\\1", name))
-
-
-def worker_key_patterns(
-    streams: Sequence[str], group: str, *, literal: bool = True
-) -> list[str]:
-    """``~`` rules for the streams and their keys; ``literal`` False takes the
-    names as ready-made glob patterns (e.g. ``drill-*``)."""
-    patterns: list[str] = []
-    for stream in streams:
-        keys = StreamKeys(stream, group)
-        for key in (stream, keys.lease, keys.cursor, keys.dead_letters, keys.started):
-            patterns.append("~" + (acl_pattern(key) if literal else key))
-    return list(dict.fromkeys(patterns))
-
-
-def _version(server_version: str) -> tuple[int, int]:
-    parts = [*server_version.split("."), "0", "0"][:2]
-    try:
-        return int(parts[0]), int(parts[1])
-    except ValueError:
-        raise ValueError(
-            f"server version must look like 7.2, got {server_version!r}"
-        ) from None
-
-
-def worker_commands(
-    server_version: str,
-    *,
-    reload: bool = True,
-    handshake: bool = True,
-    result_backend: bool = False,
-) -> list[str]:
-    """``+command`` rules for a server of that version (``INFO`` redis_version)."""
-    major, minor = _version(server_version)
-    calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
-    names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
-    if reload:
-        names.append(calls[1][0])
-    if result_backend:
-        names += [name for name, _ in RESULT_BACKEND_COMMANDS]
-    if handshake and major < 7:
-        names += HANDSHAKE_62
-    elif handshake and (major, minor) >= (7, 2):
-        names += HANDSHAKE_72
-    return ["+" + name for name in names]
-
-
-def worker_acl_rule(
-    streams: Sequence[str],
-    group: str,
-    server_version: str,
-    *,
-    reload: bool = True,
-    handshake: bool = True,
-    literal: bool = True,
-    result_backend_prefix: str | None = None,
-) -> list[str]:
-    """The ACL SETUSER rules (after the user's name and password) for a worker
-    reading ``streams`` (queue_name first, then additional_streams) as
-    ``group``, and writing results under ``result_backend_prefix`` (the
-    result backend's ``prefix_str``); see ``WORKER_ACL``."""
-    if not streams:
-        raise ValueError("streams must name at least the queue")
-    if result_backend_prefix == "":
-        raise ValueError(
-            "result_backend_prefix must not be empty: without a prefix_str the"
-            " result backend's keys are bare task ids, which no rule can scope"
-        )
-    results = (
-        [f"~{acl_pattern(result_backend_prefix)}:*"]
-        if result_backend_prefix is not None
-        else []
-    )
-    return [
-        "resetchannels",
-        *worker_key_patterns(streams, group, literal=literal),
-        *results,
-        "-@all",
-        *worker_commands(
-            server_version,
-            reload=reload,
-            handshake=handshake,
-            result_backend=result_backend_prefix is not None,
-        ),
-    ]

@@ -1,0 +1,173 @@
+"""The ACL a worker needs: the rules ``acl`` prints and the tests apply."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from taskiq_atomic_claim.keys import StreamKeys
+
+WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("xreadgroup", "read new entries"),
+    ("xack", "acknowledge (inside ack)"),
+    ("xadd", "kick; dead letters (inside the scripts)"),
+    ("xgroup|create", "create the group at startup and after it vanished"),
+    ("type", "refuse to start on a key that is not a stream"),
+    ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
+    ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
+    ("xautoclaim", "inside claim"),
+    ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter"),
+    ("xclaim", "inside set_idle (heartbeat, hand back)"),
+    ("xrange", "inside claim, dead_letter"),
+    ("get", "inside claim: lease holder, cursor"),
+    ("set", "inside claim: lease, cursor (always with PX)"),
+    ("del", "inside claim: finished cursor"),
+    ("pttl", "inside claim: lease lifetime"),
+    ("pexpire", "inside claim: bound a lease written without expiry; start"),
+    ("hincrby", "inside start, hand_back: count a task's starts"),
+    ("hmget", "inside claim: start counts of the claimed entries"),
+    ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
+)
+# taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
+# worker SETs results (with EX/PX when given), whoever waits reads them.
+RESULT_BACKEND_COMMANDS = (
+    ("exists", "result backend: is_result_ready"),
+    ("getdel", "result backend: get_result with keep_results=False"),
+)
+FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
+SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
+# redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
+# CLIENT MAINT_NOTIFICATIONS. It ignores a refusal, so these are not needed;
+# granting them keeps every connect out of ACL LOG. A server checks ACL before
+# looking up the subcommand only on 6.2 (which grants any name); 7.x rejects
+# unknown subcommands, and grants setinfo from 7.2 on.
+HANDSHAKE_62 = ("client|setinfo", "client|maint_notifications")
+HANDSHAKE_72 = ("client|setinfo",)
+
+WORKER_ACL = """The ACL a worker needs, for group G and queue (or additional stream) S.
+
+Keys, per stream S:
+    ~S
+    ~taskiq-atomic-claim:lease:{S}:S:G
+    ~taskiq-atomic-claim:cursor:{S}:S:G
+    ~taskiq-atomic-claim:dead:{S}:S:G
+    ~taskiq-atomic-claim:started:{S}:S:G
+  (Inside the braces, the part of S Redis hashes: its hash tag, or all of
+  S; after them, S with % and : percent-encoded; see keys.py.)
+  Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
+  NUL, which ACL patterns cannot hold, become ? (any one byte).
+Channels: none (resetchannels).
+Commands: -@all, then
+    +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
+    +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
+    +hincrby +hmget +hdel
+  and, to call the library and reload it when lost (restart, flush, failover):
+    Redis/Valkey >= 7:  +fcall +function|load
+    Redis 6.2:          +evalsha +script|load
+  and, optional, so redis-py's connect is not logged as refused in ACL LOG:
+    Redis 6.2:          +client|setinfo +client|maint_notifications
+    Redis >= 7.2/Valkey: +client|setinfo
+With taskiq-redis's RedisAsyncResultBackend(prefix_str=P) (acl
+--result-backend-prefix P), for the worker and whoever waits for results:
+    ~P:*  (its keys: P:<task id> and P:<task id>__progress)
+    +exists +getdel
+Scripts run with the caller's ACL, so the commands they issue are listed too.
+Without +function|load / +script|load a worker cannot reload a lost library:
+then run `taskiq-atomic-claim load` after every restart or flush.
+"""
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+# What ACL SETUSER refuses in a pattern (a syntax error): ASCII whitespace and
+# NUL, each one byte, so one "?" matches it. Unicode spaces pass as they are.
+_UNSAYABLE = re.compile(r"[ \t\n\v\f\r\x00]")
+
+
+def acl_pattern(name: str) -> str:
+    """A key name as an ACL pattern matching it; where it holds whitespace or
+    NUL, which patterns cannot, "?" there matches any one byte."""
+    return _UNSAYABLE.sub("?", _GLOB.sub(r"\\\1", name))
+
+
+def worker_key_patterns(
+    streams: Sequence[str], group: str, *, literal: bool = True
+) -> list[str]:
+    """``~`` rules for the streams and their keys; ``literal`` False takes the
+    names as ready-made glob patterns (e.g. ``drill-*``)."""
+    patterns: list[str] = []
+    for stream in streams:
+        keys = StreamKeys(stream, group)
+        for key in (stream, keys.lease, keys.cursor, keys.dead_letters, keys.started):
+            patterns.append("~" + (acl_pattern(key) if literal else key))
+    return list(dict.fromkeys(patterns))
+
+
+def _version(server_version: str) -> tuple[int, int]:
+    parts = [*server_version.split("."), "0", "0"][:2]
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(
+            f"server version must look like 7.2, got {server_version!r}"
+        ) from None
+
+
+def worker_commands(
+    server_version: str,
+    *,
+    reload: bool = True,
+    handshake: bool = True,
+    result_backend: bool = False,
+) -> list[str]:
+    """``+command`` rules for a server of that version (``INFO`` redis_version)."""
+    major, minor = _version(server_version)
+    calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
+    names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
+    if reload:
+        names.append(calls[1][0])
+    if result_backend:
+        names += [name for name, _ in RESULT_BACKEND_COMMANDS]
+    if handshake and major < 7:
+        names += HANDSHAKE_62
+    elif handshake and (major, minor) >= (7, 2):
+        names += HANDSHAKE_72
+    return ["+" + name for name in names]
+
+
+def worker_acl_rule(
+    streams: Sequence[str],
+    group: str,
+    server_version: str,
+    *,
+    reload: bool = True,
+    handshake: bool = True,
+    literal: bool = True,
+    result_backend_prefix: str | None = None,
+) -> list[str]:
+    """The ACL SETUSER rules (after the user's name and password) for a worker
+    reading ``streams`` (queue_name first, then additional_streams) as
+    ``group``, and writing results under ``result_backend_prefix`` (the
+    result backend's ``prefix_str``); see ``WORKER_ACL``."""
+    if not streams:
+        raise ValueError("streams must name at least the queue")
+    if result_backend_prefix == "":
+        raise ValueError(
+            "result_backend_prefix must not be empty: without a prefix_str the"
+            " result backend's keys are bare task ids, which no rule can scope"
+        )
+    results = (
+        [f"~{acl_pattern(result_backend_prefix)}:*"]
+        if result_backend_prefix is not None
+        else []
+    )
+    return [
+        "resetchannels",
+        *worker_key_patterns(streams, group, literal=literal),
+        *results,
+        "-@all",
+        *worker_commands(
+            server_version,
+            reload=reload,
+            handshake=handshake,
+            result_backend=result_backend_prefix is not None,
+        ),
+    ]

@@ -1,0 +1,272 @@
+"""What a consumer group looks like right now: the data behind ``inspect``.
+
+``inspect_server`` reads, never writes. Per stream and consumer group it
+reports the pending-entries list (PEL) with each consumer's share, the lease
+and cursor keys of ``lua/claim.lua`` with their remaining lifetimes, and the
+dead-letter count; once per server, the state of this release's script
+library. Without explicit streams it discovers them with a bounded
+``SCAN ... TYPE stream``; this package's own dead-letter streams are not
+listed as streams, they are reported with their group.
+
+The JSON form and its documented shape: ``inspection_json.py``.
+
+Names are decoded as UTF-8; bytes that are not UTF-8 appear as ``\\xNN``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
+from taskiq_atomic_claim.server_info import ServerInfo
+
+# One XPENDING call per group: idle times come from at most this many entries.
+PEL_SCAN_LIMIT = 1000
+# Discovery: SCAN calls of COUNT keys each, and a wall-clock bound.
+SCAN_COUNT = 1000
+MAX_SCAN_CALLS = 10_000
+MAX_STREAMS = 1000
+SCAN_DEADLINE_S = 30.0
+DEAD_LETTER_PREFIX = f"{PREFIX}:dead:"
+
+
+def text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _optional_text(value: Any) -> str | None:
+    return None if value is None else text(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class ConsumerView:
+    name: str
+    pending: int
+    idle_ms: int
+    oldest_pending_idle_ms: int | None
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """A coordination key: its value and remaining lifetime, None when absent."""
+
+    key: str
+    value: str | None
+    ttl_ms: int | None
+
+
+@dataclass(frozen=True)
+class GroupView:
+    name: str
+    exists: bool
+    pending: int
+    last_delivered_id: str | None
+    lag: int | None
+    oldest_pending_idle_ms: int | None
+    pel_scanned: int
+    pel_scan_complete: bool
+    consumers: list[ConsumerView]
+    lease: KeyView
+    cursor: KeyView
+    dead_letters_key: str
+    dead_letters: int
+
+
+@dataclass(frozen=True)
+class StreamView:
+    name: str
+    type: str
+    length: int
+    groups: list[GroupView]
+
+
+@dataclass(frozen=True)
+class LibraryView:
+    name: str
+    version: str
+    mode: str
+    state: str
+    other_versions: list[str]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    server: ServerInfo
+    library: LibraryView
+    streams: list[StreamView]
+    discovered: bool
+    truncated: bool = False
+
+
+async def server_version(client: Any) -> str:
+    """``redis_version``: the compatibility level ACL rules key on (Valkey
+    reports 7.2.4 there). ``ServerInfo`` has the real product and version."""
+    info = await client.execute_command("INFO", "server")
+    return str(info.get("redis_version", "unknown")) if isinstance(info, dict) else "?"
+
+
+async def discover_streams(client: Any) -> tuple[list[str], bool]:
+    """Stream keys on the server, bounded; True when the bound cut the list."""
+    found: set[str] = set()
+    cursor: Any = 0
+    deadline = time.monotonic() + SCAN_DEADLINE_S
+    for _ in range(MAX_SCAN_CALLS):
+        cursor, keys = await client.scan(cursor, count=SCAN_COUNT, _type="stream")
+        for key in keys:
+            name = text(key)
+            if not name.startswith(DEAD_LETTER_PREFIX):
+                found.add(name)
+        if int(cursor) == 0:
+            return sorted(found)[:MAX_STREAMS], len(found) > MAX_STREAMS
+        if len(found) > MAX_STREAMS or time.monotonic() > deadline:
+            break
+    return sorted(found)[:MAX_STREAMS], True
+
+
+async def _key_view(client: Any, key: str) -> KeyView:
+    value = await client.get(key)
+    if value is None:
+        return KeyView(key, None, None)
+    ttl = int(await client.pttl(key))
+    # -2: expired between the two calls; -1: no expiry (claim.lua never
+    # leaves one, but something else might write the key).
+    return KeyView(key, text(value), None if ttl == -2 else ttl)
+
+
+async def _group_view(
+    client: Any, stream: str, group: str, info: dict[str, Any] | None
+) -> GroupView:
+    keys = StreamKeys(stream, group)
+    lease = await _key_view(client, keys.lease)
+    cursor = await _key_view(client, keys.cursor)
+    dead = int(await client.xlen(keys.dead_letters))
+    if info is None:
+        return GroupView(
+            name=group,
+            exists=False,
+            pending=0,
+            last_delivered_id=None,
+            lag=None,
+            oldest_pending_idle_ms=None,
+            pel_scanned=0,
+            pel_scan_complete=True,
+            consumers=[],
+            lease=lease,
+            cursor=cursor,
+            dead_letters_key=keys.dead_letters,
+            dead_letters=dead,
+        )
+    pending = int(info.get("pending", 0))
+    oldest: dict[str, int] = {}
+    scanned: list[dict[str, Any]] = []
+    if pending:
+        scanned = await client.xpending_range(
+            stream, group, min="-", max="+", count=PEL_SCAN_LIMIT
+        )
+    for entry in scanned:
+        name = text(entry["consumer"])
+        idle = int(entry["time_since_delivered"])
+        oldest[name] = max(idle, oldest.get(name, idle))
+    consumers = [
+        ConsumerView(
+            name=text(raw["name"]),
+            pending=int(raw.get("pending", 0)),
+            idle_ms=int(raw.get("idle", 0)),
+            oldest_pending_idle_ms=oldest.get(text(raw["name"])),
+        )
+        for raw in await client.xinfo_consumers(stream, group)
+    ]
+    return GroupView(
+        name=group,
+        exists=True,
+        pending=pending,
+        last_delivered_id=_optional_text(info.get("last-delivered-id")),
+        lag=_optional_int(info.get("lag")),
+        oldest_pending_idle_ms=max(oldest.values()) if oldest else None,
+        pel_scanned=len(scanned),
+        pel_scan_complete=len(scanned) >= pending,
+        consumers=sorted(consumers, key=lambda c: c.name),
+        lease=lease,
+        cursor=cursor,
+        dead_letters_key=keys.dead_letters,
+        dead_letters=dead,
+    )
+
+
+async def inspect_stream(client: Any, stream: str, group: str | None) -> StreamView:
+    kind = text(await client.type(stream))
+    infos: dict[str, dict[str, Any]] = {}
+    length = 0
+    if kind == "stream":
+        length = int(await client.xlen(stream))
+        for raw in await client.xinfo_groups(stream):
+            infos[text(raw["name"])] = raw
+    names = [group] if group is not None else sorted(infos)
+    groups = [
+        await _group_view(client, stream, name, infos.get(name)) for name in names
+    ]
+    return StreamView(stream, kind, length, groups)
+
+
+async def inspect_server(
+    client: Any,
+    streams: list[str] | None = None,
+    group: str | None = None,
+    runner: ScriptRunner | None = None,
+) -> Inspection:
+    """Everything ``inspect`` shows; streams None discovers them."""
+    runner = runner or ScriptRunner()
+    server = await runner.probe_server(client)
+    status = await runner.status(client)
+    library = LibraryView(
+        name=LIBRARY.name,
+        version=LIBRARY.version,
+        mode=status.mode.value,
+        state=status.state.value,
+        other_versions=list(status.other_versions),
+    )
+    truncated = False
+    discovered = streams is None
+    if streams is None:
+        streams, truncated = await discover_streams(client)
+    views = [await inspect_stream(client, stream, group) for stream in streams]
+    if discovered and group is not None:
+        # A discovered stream without that group is someone else's.
+        views = [
+            view for view in views if any(candidate.exists for candidate in view.groups)
+        ]
+    return Inspection(
+        server=server,
+        library=library,
+        streams=views,
+        discovered=discovered,
+        truncated=truncated,
+    )
+
+
+def plural(count: int, word: str) -> str:
+    if count == 1:
+        return f"{count} {word}"
+    return f"{count} {word[:-1]}ies" if word.endswith("y") else f"{count} {word}s"
+
+
+def duration(ms: int | None) -> str:
+    """Milliseconds for people: 840 ms, 12.3 s, 4.0 min, 2.5 h, 3.1 d."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms} ms"
+    seconds = ms / 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"

@@ -1,0 +1,5 @@
+import sys
+
+from taskiq_atomic_claim.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""The taskiq app the crash drill runs under ``taskiq worker``.
+
+Configured from the environment so a plain ``taskiq worker
+taskiq_atomic_claim.harness.drill_app:broker`` subprocess picks it up. The task
+reports to an events stream (data, never expiring) when it starts and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
+from taskiq_redis import RedisStreamBroker
+
+from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+
+TASK_NAME = "taskiq_atomic_claim.drill.work"
+
+
+def events_stream(queue: str) -> str:
+    return f"{queue}:drill-events"
+
+
+def build_broker(
+    url: str,
+    queue: str,
+    idle_timeout: int,
+    claim_interval: int,
+    kind: str,
+    consumer_name: str | None = None,
+) -> AsyncBroker:
+    """``kind`` "atomic" is this package's broker; "upstream" is taskiq-redis's."""
+    if kind == "upstream":
+        return RedisStreamBroker(
+            url,
+            queue_name=queue,
+            idle_timeout=idle_timeout,
+            consumer_name=consumer_name,
+        )
+    return AtomicRedisStreamBroker(
+        url,
+        queue_name=queue,
+        idle_timeout=idle_timeout,
+        claim_interval=claim_interval,
+        consumer_name=consumer_name,
+    )
+
+
+def add_drill_task(
+    broker: AsyncBroker,
+    events: Redis,
+    queue: str,
+    worker: str,
+    task_name: str = TASK_NAME,
+) -> None:
+    """Give ``broker`` the drill's task: ``work(run_id, seconds)`` sleeps, and
+    the worker reports "ready", "started" and "finished" to the events stream
+    of ``queue`` on ``events``, each naming ``worker``."""
+
+    async def report(event: str, run_id: str = "") -> None:
+        fields = {"event": event, "run": run_id, "worker": worker}
+        # Bounded retries: the soak restarts the server under running tasks,
+        # and a lost report would read as a lost task.
+        for _ in range(100):
+            try:
+                await events.xadd(events_stream(queue), fields)  # type: ignore[arg-type]
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                await asyncio.sleep(0.1)
+        await events.xadd(events_stream(queue), fields)  # type: ignore[arg-type]
+
+    @broker.on_event(TaskiqEvents.WORKER_STARTUP)
+    async def ready(_: TaskiqState) -> None:
+        await report("ready")
+
+    @broker.task(task_name=task_name)
+    async def work(run_id: str, seconds: float) -> None:
+        await report("started", run_id)
+        await asyncio.sleep(seconds)
+        await report("finished", run_id)
+
+
+_URL = os.environ.get("TAC_DRILL_URL", "redis://127.0.0.1:6379")
+_QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
+_WORKER = os.environ.get("TAC_DRILL_WORKER", f"{socket.gethostname()}:{os.getpid()}")
+
+broker = build_broker(
+    _URL,
+    _QUEUE,
+    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
+    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
+    os.environ.get("TAC_DRILL_BROKER", "atomic"),
+    # The worker's name doubles as its consumer name, so a drill can ask the
+    # server what a worker it killed still had pending.
+    consumer_name=_WORKER,
+)
+add_drill_task(broker, Redis.from_url(_URL), _QUEUE, _WORKER)
