@@ -10,6 +10,7 @@ from taskiq import TaskiqFormatter
 from taskiq.formatters.json_formatter import JSONFormatter
 
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import DEAD_LETTER, REQUEUE_DEAD_LETTERS
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 
 METADATA_PREFIX = b"dead_letter_"
@@ -85,7 +86,7 @@ async def move_to_dead_letters(
     """Move one pending entry and ack it; None if its data was already gone."""
     reply = await runner.call(
         client,
-        "dead_letter",
+        DEAD_LETTER,
         [keys.stream, keys.dead_letters, keys.started],
         [keys.group, entry_id, reason],
     )
@@ -155,6 +156,6 @@ async def _requeue(
     runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
 ) -> list[tuple[str, str]]:
     reply = await runner.call(
-        client, "requeue_dead_letters", [keys.dead_letters, keys.stream], list(ids)
+        client, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], list(ids)
     )
     return [(_text(old), _text(new)) for old, new in reply]

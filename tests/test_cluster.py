@@ -23,11 +23,8 @@ from redis.exceptions import ClusterCrossSlotError, RedisClusterException
 from taskiq.kicker import AsyncKicker
 from taskiq_redis import RedisStreamClusterBroker
 
-from taskiq_atomic_claim.cluster_broker import (
-    AtomicRedisStreamClusterBroker,
-    SlotRoutedClient,
-    slot_groups,
-)
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.cluster_client import SlotRoutedClient, slot_groups
 from taskiq_atomic_claim.drill_app import events_stream
 from taskiq_atomic_claim.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys

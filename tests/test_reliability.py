@@ -13,8 +13,8 @@ from redis.asyncio.connection import Connection
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.embedded_server import LocalServer
-from taskiq_atomic_claim.reclaiming import StreamTypeError
 from taskiq_atomic_claim.scripts import LoadMode
+from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server
 from tests.test_broker import die, message, receive
 
