@@ -3,13 +3,13 @@ a Redis Cluster, in front of redis-py's ``RedisCluster``.
 
 redis-py already routes most of what the loop sends: keyed commands, EVALSHA
 (it reads the key count itself), and FUNCTION LOAD, SCRIPT LOAD and SCRIPT
-EXISTS to every primary (``ScriptRunner`` names those as one word, which is
+EXISTS to every primary (``ScriptRunner`` names each in one string, which is
 how redis-py finds their routing). This client handles only what it does not
 route right (redis-py 7.2 to 8.1 alike):
 
 - INFO goes to one node; here it goes to every primary and the oldest server
   decides, so one older node puts the whole broker on cached scripts;
-- FUNCTION LIST goes to one node (or, named as one word, returns a reply per
+- FUNCTION LIST goes to one node (or, named in one string, returns a reply per
   node whose shape depends on how many primaries there are); here it is asked
   of every primary and answers the libraries every primary has;
 - FCALL and XREADGROUP have "movable" keys, which redis-py resolves with

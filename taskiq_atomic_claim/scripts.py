@@ -241,7 +241,7 @@ class ScriptRunner:
     async def load(self, client: ScriptClient) -> LoadMode:
         """Load every operation; idempotent.
 
-        FUNCTION LOAD, SCRIPT LOAD and SCRIPT EXISTS are named as one word:
+        FUNCTION LOAD, SCRIPT LOAD and SCRIPT EXISTS are named in one string:
         the same on the wire, and how redis-py's cluster client knows to send
         them to every primary."""
         mode = await self.mode(client)
