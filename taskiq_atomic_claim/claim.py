@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import CLAIM
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -71,7 +72,7 @@ async def claim_idle_entries(
     """Take the stream's lease and its idle entries, or learn who holds it."""
     reply = await runner.call(
         client,
-        "claim",
+        CLAIM,
         [keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started],
         [
             keys.group,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import DEAD_LETTER
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 
 
@@ -24,7 +25,7 @@ async def move_to_dead_letters(
     """Move one pending entry and ack it; None if its data was already gone."""
     reply = await runner.call(
         client,
-        "dead_letter",
+        DEAD_LETTER,
         [keys.stream, keys.dead_letters, keys.started],
         [keys.group, entry_id, reason],
     )

@@ -30,13 +30,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from taskiq import TaskiqMessage, TaskiqMiddleware
-from taskiq.abc.formatter import TaskiqFormatter
-from taskiq.message import BrokerMessage
-
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -233,7 +230,7 @@ class InFlight:
             chunk = waiting[start : start + SCRIPT_BATCH]
             await self.scripts.call(
                 client,
-                "start",
+                START,
                 [keys.started],
                 [self.started_ttl, *(d.entry_id for d, _ in chunk)],
             )
@@ -259,7 +256,7 @@ class InFlight:
             if error is None:  # e.g. a manual-ack task that never acked
                 reason = "its task ended without acking it"
             else:
-                reason = _bounded(
+                reason = bounded_reason(
                     "taskiq's receiver raised after starting it, without acking:"
                     f" {type(error).__name__}: {error}"
                 )
@@ -308,7 +305,7 @@ class InFlight:
                 chunk = ids[start : start + SCRIPT_BATCH]
                 lost = await self.scripts.call(
                     client,
-                    "set_idle",
+                    SET_IDLE,
                     [stream],
                     [self.group, self.consumer, idle_ms, *chunk],
                 )
@@ -331,7 +328,7 @@ class InFlight:
                 n_started = sum(d.started for d in chunk)
                 lost = await self.scripts.call(
                     client,
-                    "hand_back",
+                    HAND_BACK,
                     [stream, keys.started],
                     [
                         self.group,
@@ -351,7 +348,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _bounded(reason: str) -> str:
+def bounded_reason(reason: str) -> str:
     return reason if len(reason) <= _REASON_LIMIT else reason[: _REASON_LIMIT - 1] + "…"
 
 
@@ -360,43 +357,3 @@ def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:
     for delivery in deliveries:
         streams.setdefault(delivery.stream, []).append(delivery.entry_id)
     yield from ((stream, sorted(ids)) for stream, ids in streams.items())
-
-
-class EntryAwareFormatter(TaskiqFormatter):
-    """The broker's formatter, telling ``InFlight`` which entry the receiver
-    parses and which ones it cannot parse."""
-
-    def __init__(self, inner: TaskiqFormatter, in_flight: InFlight) -> None:
-        self.inner = inner
-        self.in_flight = in_flight
-
-    def dumps(self, message: TaskiqMessage) -> BrokerMessage:
-        return self.inner.dumps(message)
-
-    def loads(self, message: bytes) -> TaskiqMessage:
-        delivery = self.in_flight.loaded(message)
-        try:
-            return self.inner.loads(message)
-        except Exception as error:
-            if delivery is not None:
-                # taskiq acks what it cannot parse; that ack dead-letters it.
-                delivery.unparsable = _bounded(
-                    f"the formatter cannot parse its data: {type(error).__name__}:"
-                    f" {error}"
-                )
-            raise
-
-
-class StartRecorder(TaskiqMiddleware):
-    """Records each task's start on the server before the task runs."""
-
-    def __init__(self, in_flight: InFlight, connect: Connect) -> None:
-        super().__init__()
-        self.in_flight = in_flight
-        self.connect = connect
-
-    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
-        delivery = self.in_flight.of_current_task()
-        if delivery is not None:
-            await self.in_flight.record_start(self.connect, delivery)
-        return message

@@ -3,7 +3,8 @@
 A broker class mixes this in before its taskiq-redis parent and says how to
 get a client (``_connection``). Everything that talks to the server goes
 through the scripts in ``lua/`` or plain stream commands, so the same loop
-serves a standalone server, Sentinel and Cluster.
+serves a standalone server, Sentinel and Cluster. The heartbeat and hand-back
+are in ``heartbeat.py``, the stream and group checks in ``stream_setup.py``.
 """
 
 from __future__ import annotations
@@ -11,80 +12,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
-from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
+from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
-from taskiq_atomic_claim.durability import warn_about_durability
-from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
-from taskiq_atomic_claim.in_flight import (
-    SCRIPT_BATCH,
-    EntryAwareFormatter,
-    EntryData,
-    InFlight,
-    StartRecorder,
-)
+from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.heartbeat import Heartbeating
+from taskiq_atomic_claim.in_flight import EntryData, InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_calls import (
+    REPLY_MARGIN_S,
+    raise_if_cancel_was_swallowed,
+    within,
+)
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.stream_setup import StreamSetup
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-# No reply within this (beyond a read's own block) means the connection is
-# dead, e.g. half-open after a host vanished: without a socket_timeout
-# redis-py would wait for ever. Generous, as a busy server stalls for seconds.
-REPLY_MARGIN_S = 5.0
-
-_T = TypeVar("_T")
-
-
-async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
-    """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``.
-
-    Runs in the calling task where Python allows (3.11+): ``wait_for``'s
-    extra task was seen to leave killed pool connections to the next caller.
-    """
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _raise_if_cancel_was_swallowed() -> None:
-    """Honour a cancel that a redis-py call swallowed (seen on Python 3.11).
-
-    The call then returns normally and a loop would run on forever, so
-    whoever cancelled it (taskiq's receiver at shutdown, ``wait_for``) hangs.
-    ``Task.cancelling()`` still counts the request.
-    """
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
-    if cancelling is not None and cancelling():
-        raise asyncio.CancelledError
-
-
-class StreamTypeError(RuntimeError):
-    """A key the broker must read as a stream holds another type (WRONGTYPE)."""
-
-
-class ReclaimingListener:
+class ReclaimingListener(Heartbeating, StreamSetup):
     """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
 
     # Provided by the taskiq-redis parent class.
@@ -188,7 +152,7 @@ class ReclaimingListener:
         claim_refused = claiming = False
         async with self._connection() as client:
             while True:
-                _raise_if_cancel_was_swallowed()
+                raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
                     self._raise_deferred_claim_error()
@@ -324,46 +288,6 @@ class ReclaimingListener:
             self.group_positions.advance(stream, entry_id)
         return batch
 
-    async def recreate_groups(self, client: Any) -> None:
-        """Re-create the consumer group on every stream that lost it, never
-        after entries it holds (see ``group_recovery``)."""
-        for stream in self.streams:
-            try:
-                start = await recreate_group(
-                    client,
-                    stream,
-                    self.consumer_group_name,
-                    self.group_positions.get(stream),
-                    self.mkstream,
-                )
-            except ResponseError as error:  # e.g. mkstream=False, stream gone
-                logger.debug("Group on %r not re-created: %s", stream, error)
-                continue
-            if start is not None:
-                logger.warning(
-                    "Re-created consumer group %r on stream %r at id %s",
-                    self.consumer_group_name,
-                    stream,
-                    start,
-                )
-
-    def _servers(self, client: Any) -> list[tuple[str, Any]]:
-        """The servers behind ``client``, each with a name for the log."""
-        return [(f"server of queue {self.queue_name!r}", client)]
-
-    async def check_durability(self) -> None:
-        """Startup: remember where the groups are, and warn about server
-        settings that lose tasks. Never fails the start."""
-        try:
-            async with self._connection() as client:
-                await self.group_positions.learn(
-                    client, self.streams, self.consumer_group_name
-                )
-                for where, server in self._servers(client):
-                    await warn_about_durability(server, where)
-        except _UNREACHABLE as error:
-            logger.debug("Durability not checked at start-up: %s", error)
-
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
@@ -404,7 +328,7 @@ class ReclaimingListener:
                 keys = StreamKeys(stream, self.consumer_group_name)
                 await self.scripts.call(
                     client,
-                    "ack",
+                    ACK,
                     [stream, keys.started],
                     [self.consumer_group_name, entry_id],
                 )
@@ -446,105 +370,3 @@ class ReclaimingListener:
         """Seconds an ack keeps retrying: well before the entry, no longer
         heartbeated, becomes claimable."""
         return min(self.claim_settings.idle_timeout / 2000, 30)
-
-    async def check_stream_types(self) -> None:
-        """Fail at startup, naming the key, if a stream key holds another type."""
-        async with self._connection() as client:
-            for stream in self.streams:
-                kind = _text(await client.type(stream))
-                if kind not in ("stream", "none"):
-                    raise StreamTypeError(
-                        f"key {stream!r} holds a {kind}, not a stream: pick another"
-                        " queue_name / additional_streams key or remove that key"
-                    )
-
-    # In-flight heartbeats.
-
-    @property
-    def heartbeat_interval(self) -> float:
-        """Seconds: three heartbeats fit in one idle_timeout."""
-        return self.claim_settings.idle_timeout / 3000
-
-    def _start_heartbeat(self) -> None:
-        if self._heartbeat is None or self._heartbeat.done():
-            self._heartbeat = asyncio.create_task(
-                self._heartbeat_loop(), name=f"heartbeat {self.consumer_name}"
-            )
-
-    async def _heartbeat_loop(self) -> None:
-        # A task of its own, not part of listen(): while every slot is busy
-        # the receiver stops pulling from listen(), and that is exactly when
-        # long tasks need their heartbeat.
-        #
-        # It must never die: a dead heartbeat lets every long task be
-        # reclaimed and run twice. So every error is retried, usage errors
-        # too (logged as such). Retries come faster than beats, so entries
-        # unheartbeated through an outage are refreshed soon after it ends.
-        beat = self.heartbeat_interval
-        outage = Backoff(
-            f"heartbeat {self.consumer_name}", cap=min(MAX_DELAY_S, beat / 3)
-        )
-        delay = beat
-        while True:
-            await asyncio.sleep(delay)
-            _raise_if_cancel_was_swallowed()
-            try:
-                async with self._connection() as client:
-                    await within(
-                        REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
-                    )
-            except Exception as error:
-                delay = outage.failed(error)
-            else:
-                outage.succeeded()
-                delay = beat
-
-    @property
-    def _beat_calls(self) -> int:
-        """Script calls one heartbeat makes, at least one."""
-        return max(
-            1,
-            sum(
-                -(-len(self.in_flight[stream]) // SCRIPT_BATCH)
-                for stream in self.in_flight.streams()
-            ),
-        )
-
-    async def set_idle(self, client: Any, idle_ms: int) -> None:
-        """Set the idle time of every in-flight entry this consumer still owns."""
-        await self.in_flight.set_idle(client, idle_ms, self.in_flight.deliveries())
-
-    async def stop_heartbeat(self) -> None:
-        task, self._heartbeat = self._heartbeat, None
-        if task is None:
-            return
-        # A cancel that lands inside a redis-py call can be swallowed there
-        # (the call returns normally, the loop sleeps on): cancel until the
-        # task is gone, or shutdown waits forever. Bounded: a beat is short.
-        for _ in range(100):
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                break
-        if task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def hand_back(self) -> int:
-        """Make every unacked delivery claimable at once (graceful shutdown).
-
-        taskiq drops deliveries it prefetched but never started; without this
-        they would wait out idle_timeout in the PEL.
-        """
-        await self.stop_heartbeat()
-        held = len(self.in_flight)
-        if not held:
-            return 0
-        try:
-            async with self._connection() as client:
-                handed = await self.in_flight.hand_back(client)
-        except _UNREACHABLE as error:
-            logger.warning("Could not hand back %d entries: %s", held, error)
-            return 0
-        logger.info("Handed back %d unacked deliveries", handed)
-        return handed

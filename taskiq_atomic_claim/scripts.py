@@ -10,20 +10,22 @@ different scripts can share a server without replacing each other's.
 
 Keys and values only ever travel as KEYS and ARGV; the source never changes
 after import, which is what makes script caching, ACL key patterns and Cluster
-slot routing work.
+slot routing work. Callers name an operation by its ``Operation`` (see
+``operations.py``), which says how many keys it takes: a call with another
+count is refused before any round trip.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -33,6 +35,11 @@ from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
 LIBRARY_PREFIX = "taskiq_atomic_claim_"
 _INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
 _OPERATION_NAME = re.compile(r"^[a-z_]+$")
+# A "  KEYS[n]  what it is" line of a Lua file's header comment (a column
+# of its own, unlike KEYS[n] mentioned in the prose).
+_KEYS_LINE = re.compile(r"^  KEYS\[(\d+)\]  ", re.MULTILINE)
+
+ReplyT = TypeVar("ReplyT")
 
 
 class ScriptClient(Protocol):
@@ -61,9 +68,45 @@ def _resolve_includes(source: str, includes: Path, seen: tuple[str, ...] = ()) -
 
 
 @dataclass(frozen=True)
+class Operation(Generic[ReplyT]):
+    """A server-side operation, ``lua/<name>.lua``: what its KEYS are, and
+    (as the type parameter) what it replies."""
+
+    name: str
+    keys: tuple[str, ...]  # what KEYS[1], KEYS[2], ... are, for error messages
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)
+
+    def check_keys(self, keys: Sequence[str]) -> None:
+        """A wrong key count is a bug in the caller: say so before any round
+        trip (the script would index past KEYS or take an ARGV for a key)."""
+        if len(keys) != self.num_keys:
+            raise TypeError(
+                f"operation {self.name!r} takes {self.num_keys} keys"
+                f" ({', '.join(self.keys)}), got {len(keys)}"
+            )
+
+
+def declared_key_count(source: str) -> int:
+    """The keys a Lua file's header declares: its ``KEYS[n]`` lines, which
+    must number 1..n in order."""
+    header = source.split("]]", 1)[0]
+    numbers = [int(n) for n in _KEYS_LINE.findall(header)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"header KEYS lines must be KEYS[1]..KEYS[n]: {numbers}")
+    return len(numbers)
+
+
+@dataclass(frozen=True)
 class Script:
     name: str
     source: str
+
+    @cached_property
+    def num_keys(self) -> int:
+        return declared_key_count(self.source)
 
     # Computed once: every EVALSHA call names it.
     @cached_property
@@ -196,23 +239,27 @@ class ScriptRunner:
         return server
 
     async def load(self, client: ScriptClient) -> LoadMode:
-        """Load every operation; idempotent."""
+        """Load every operation; idempotent.
+
+        FUNCTION LOAD, SCRIPT LOAD and SCRIPT EXISTS are named in one string:
+        the same on the wire, and how redis-py's cluster client knows to send
+        them to every primary."""
         mode = await self.mode(client)
         if mode is LoadMode.FUNCTIONS:
             # REPLACE only ever touches this exact version's library.
             await client.execute_command(
-                "FUNCTION", "LOAD", "REPLACE", self.library.function_code
+                "FUNCTION LOAD", "REPLACE", self.library.function_code
             )
         else:
             for script in self.library.scripts.values():
-                await client.execute_command("SCRIPT", "LOAD", script.source)
+                await client.execute_command("SCRIPT LOAD", script.source)
         return mode
 
     async def status(self, client: ScriptClient) -> LibraryStatus:
         mode = await self.mode(client)
         if mode is LoadMode.SCRIPTS:
             shas = [script.sha for script in self.library.scripts.values()]
-            loaded = await client.execute_command("SCRIPT", "EXISTS", *shas)
+            loaded = await client.execute_command("SCRIPT EXISTS", *shas)
             state = LibraryState.CURRENT if all(loaded) else LibraryState.MISSING
             return LibraryStatus(mode, state)
         listing = await client.execute_command(
@@ -228,10 +275,11 @@ class ScriptRunner:
     async def call(
         self,
         client: ScriptClient,
-        operation: str,
-        keys: list[str],
-        args: list[str | int],
-    ) -> Any:
+        operation: Operation[ReplyT],
+        keys: Sequence[str],
+        args: Sequence[str | int],
+    ) -> ReplyT:
+        operation.check_keys(keys)
         try:
             return await self._invoke(client, operation, keys, args)
         except ResponseError as error:
@@ -246,15 +294,16 @@ class ScriptRunner:
     async def _invoke(
         self,
         client: ScriptClient,
-        operation: str,
-        keys: list[str],
-        args: list[str | int],
-    ) -> Any:
+        operation: Operation[ReplyT],
+        keys: Sequence[str],
+        args: Sequence[str | int],
+    ) -> ReplyT:
         if await self.mode(client) is LoadMode.FUNCTIONS:
-            name = self.library.function_name(operation)
-            return await client.execute_command("FCALL", name, len(keys), *keys, *args)
-        sha = self.library.scripts[operation].sha
-        return await client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            command = ("FCALL", self.library.function_name(operation.name))
+        else:
+            command = ("EVALSHA", self.library.scripts[operation.name].sha)
+        reply: ReplyT = await client.execute_command(*command, len(keys), *keys, *args)
+        return reply
 
 
 def _library_name(entry: Any) -> str:

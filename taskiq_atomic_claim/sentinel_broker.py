@@ -38,7 +38,8 @@ from redis.exceptions import ResponseError
 from taskiq_redis import RedisStreamSentinelBroker
 
 from taskiq_atomic_claim.claim import ClaimOutcome
-from taskiq_atomic_claim.reclaiming import _UNREACHABLE, ReclaimingListener, logger
+from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
+from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import (
     DEFAULT_MAX_DELIVERIES,
@@ -180,7 +181,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
                         )
                     except ResponseError as error:  # BUSYGROUP, mostly
                         logger.debug("%s", error)
-        except _UNREACHABLE as error:
+        except UNREACHABLE as error:
             logger.warning(
                 "Consumer group %r not created yet: %s", self.consumer_group_name, error
             )

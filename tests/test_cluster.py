@@ -23,11 +23,8 @@ from redis.exceptions import ClusterCrossSlotError, RedisClusterException
 from taskiq.kicker import AsyncKicker
 from taskiq_redis import RedisStreamClusterBroker
 
-from taskiq_atomic_claim.cluster_broker import (
-    AtomicRedisStreamClusterBroker,
-    SlotRoutedClient,
-    slot_groups,
-)
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.cluster_client import SlotRoutedClient, _age, slot_groups
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
@@ -198,6 +195,15 @@ def test_parent_arguments_keep_their_positions() -> None:
     assert broker.mkstream is False
     assert broker.claim_settings.idle_timeout == 600000
     assert broker.count == 100
+
+
+def test_the_oldest_primary_by_its_real_version_decides_the_features() -> None:
+    # Valkey reports redis_version 7.2.4 for compatibility: its real version
+    # is what counts. A version that cannot be read counts as the oldest.
+    valkey_81 = {"redis_version": "7.2.4", "valkey_version": "8.1.1"}
+    redis_74 = {"redis_version": "7.4.2"}
+    assert min([valkey_81, redis_74], key=_age) is redis_74
+    assert min([redis_74, {"redis_version": "?"}], key=_age) == {"redis_version": "?"}
 
 
 # On the shared cluster.

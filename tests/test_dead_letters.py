@@ -21,6 +21,7 @@ from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import START
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server
@@ -42,7 +43,7 @@ def settings(max_deliveries: int | None) -> ClaimSettings:
 
 async def record_start(runner: ScriptRunner, redis: Redis, entry_id: str) -> None:
     """What a worker's StartRecorder does just before the task runs."""
-    await runner.call(redis, "start", [KEYS.started], [60_000, entry_id])
+    await runner.call(redis, START, [KEYS.started], [60_000, entry_id])
 
 
 async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(

@@ -14,8 +14,8 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
-from taskiq_atomic_claim.reclaiming import StreamTypeError
 from taskiq_atomic_claim.scripts import LoadMode
+from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server, server_command
 from tests.test_broker import die, message, receive
 

@@ -13,6 +13,7 @@ from taskiq.formatters.json_formatter import JSONFormatter
 
 from taskiq_atomic_claim.dead_letters import text as _text
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
 from taskiq_atomic_claim.scripts import ScriptRunner
 
 METADATA_PREFIX = b"dead_letter_"
@@ -137,6 +138,6 @@ async def _requeue(
     runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
 ) -> list[tuple[str, str]]:
     reply = await runner.call(
-        client, "requeue_dead_letters", [keys.dead_letters, keys.stream], list(ids)
+        client, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], list(ids)
     )
     return [(_text(old), _text(new)) for old, new in reply]

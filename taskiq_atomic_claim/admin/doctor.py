@@ -56,6 +56,7 @@ from taskiq_atomic_claim.admin.legacy_dead_letters import (
     migrate_dead_letters,
 )
 from taskiq_atomic_claim.durability import durability_risks
+from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
@@ -366,7 +367,7 @@ async def _expire_lock(
 async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
     reply = await ScriptRunner().call(
         client,
-        "delete_idle_consumer",
+        DELETE_IDLE_CONSUMER,
         [str(finding.stream)],
         [str(finding.group), str(finding.consumer)],
     )

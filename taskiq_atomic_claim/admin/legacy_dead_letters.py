@@ -14,6 +14,7 @@ from typing import Any
 
 from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT, text
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.operations import MIGRATE_DEAD_LETTERS
 from taskiq_atomic_claim.scripts import ScriptRunner
 
 DEAD_LETTER_PATTERN = f"{PREFIX}:dead:*"
@@ -83,9 +84,7 @@ async def migrate_dead_letters(runner: ScriptRunner, client: Any, key: str) -> i
         for entry_id, target in _elsewhere(key, entries):
             by_target[target].append(entry_id)
         for target, ids in by_target.items():
-            moved += int(
-                await runner.call(client, "migrate_dead_letters", [key, target], ids)
-            )
+            moved += await runner.call(client, MIGRATE_DEAD_LETTERS, [key, target], ids)
         # Entries that stay are skipped next time: resume after the last one.
         start = "(" + text(entries[-1][0])
     return moved

@@ -1,0 +1,290 @@
+"""``SlotRoutedClient``: what the listen loop and ``ScriptRunner`` talk to on
+a Redis Cluster, in front of redis-py's ``RedisCluster``.
+
+redis-py already routes most of what the loop sends: keyed commands, EVALSHA
+(it reads the key count itself), and FUNCTION LOAD, SCRIPT LOAD and SCRIPT
+EXISTS to every primary (``ScriptRunner`` names each in one string, which is
+how redis-py finds their routing). This client handles only what it does not
+route right (redis-py 7.2 to 8.1 alike):
+
+- INFO goes to one node; here it goes to every primary and the oldest server
+  decides, so one older node puts the whole broker on cached scripts;
+- FUNCTION LIST goes to one node (or, named in one string, returns a reply per
+  node whose shape depends on how many primaries there are); here it is asked
+  of every primary and answers the libraries every primary has;
+- FCALL and XREADGROUP have "movable" keys, which redis-py resolves with
+  COMMAND GETKEYS on one fixed node: once that node dies, every such call
+  fails until some other command happens to refresh the topology. They are
+  sent here to the primary of their first key's slot instead;
+- XREADGROUP over streams in different slots is CROSSSLOT (taskiq-redis's
+  broker sends it anyway): streams are read per slot, concurrently, and a
+  slot whose primary is unreachable rests while the others are read.
+
+A topology change shows up as CLUSTERDOWN, TRYAGAIN, an uncovered slot or a
+node that cannot be reached; ``server_errors.classify`` calls those an
+outage, so the loop waits them out instead of stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
+
+from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.scripts import _library_name
+from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
+from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_info import ServerInfo
+
+# (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
+StreamEntries = list[tuple[Any, Any]]
+
+_MOVABLE_KEY_SCRIPTS = frozenset({"FCALL", "FCALL_RO"})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
+    """``streams`` split by hash slot, in order: one XREADGROUP per group."""
+    groups: dict[int, dict[str, str | int]] = {}
+    for stream, start in streams.items():
+        groups.setdefault(key_slot(stream.encode()), {})[stream] = start
+    return list(groups.values())
+
+
+def _as_pairs(reply: Any) -> StreamEntries:
+    # RESP3 replies map stream -> entries; the loop expects RESP2's pairs.
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(reply or [])
+
+
+def _age(info: Any) -> tuple[int, int, int]:
+    """An INFO reply's real version (Valkey's, not its redis_version);
+    unknown sorts oldest, so it gets what every server runs."""
+    return ServerInfo.from_info(info).version_tuple or (0, 0, 0)
+
+
+def _libraries_everywhere(replies: list[Any]) -> list[Any]:
+    """FUNCTION LIST replies of every primary: the libraries all of them have."""
+    present = [{_library_name(entry) for entry in reply} for reply in replies]
+    everywhere = set.intersection(*present)
+    return [entry for entry in replies[0] if _library_name(entry) in everywhere]
+
+
+class SlotRoutedClient:
+    """What the listen loop and ``ScriptRunner`` talk to on a cluster.
+
+    ``execute_command`` is ``RedisCluster.execute_command`` with the routing
+    described in the module docstring; ``xreadgroup`` reads streams in
+    several slots with one outstanding XREADGROUP per slot.
+
+    An outstanding read is kept, never cancelled, across calls: a read the
+    server served but whose reply was thrown away would leave its entries
+    pending, unseen, until idle_timeout. ``on_delivered`` hears of every read
+    as it completes, so entries that arrive while the consumer is not
+    pulling are known (and heartbeated) at once.
+
+    A slot whose primary cannot be reached rests, with its own capped
+    backoff, while the other slots are still read: one failed primary out
+    of several must not stop the streams on the others. Only when every
+    slot fails does the error reach the loop, which then waits it out.
+    """
+
+    def __init__(
+        self,
+        cluster: RedisCluster,
+        on_delivered: Callable[[StreamEntries], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self._on_delivered = on_delivered
+        self._reads: dict[tuple[str, ...], asyncio.Task[StreamEntries]] = {}
+        # A failed read whose siblings brought entries: raised next call,
+        # after those entries have been handed over.
+        self._deferred: BaseException | None = None
+        # Per slot group that failed to be read: the error, the backoff, and
+        # when to try again.
+        self._failing: dict[tuple[str, ...], BaseException] = {}
+        self._backoff: dict[tuple[str, ...], Backoff] = {}
+        self._resting_until: dict[tuple[str, ...], float] = {}
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        command = _text(args[0]).upper()
+        if command == "INFO":
+            # The oldest server decides which features may be used.
+            infos = await self._on_every_primary(args, options)
+            return min(infos, key=_age)
+        if command == "FUNCTION" and _text(args[1]).upper() == "LIST":
+            return _libraries_everywhere(await self._on_every_primary(args, options))
+        if command in _MOVABLE_KEY_SCRIPTS and len(args) > 3 and int(args[2]) > 0:
+            node = await self.primary_for(_text(args[3]))
+            return await self.cluster.execute_command(
+                *args, target_nodes=node, **options
+            )
+        return await self.cluster.execute_command(*args, **options)
+
+    async def type(self, name: str) -> Any:
+        """TYPE, for the loop's start-up check of the stream keys."""
+        return await self.execute_command("TYPE", name)
+
+    async def primary_for(self, key: str) -> ClusterNode:
+        """The primary serving ``key`` as the client now knows the cluster."""
+        # A no-op unless a failed command asked for the topology to be
+        # refreshed; then it is refreshed before we pick a node from it.
+        await self.cluster.initialize()
+        node = self.cluster.get_node_from_key(key)
+        if node is None:
+            raise RedisClusterException(f"slot of {key!r} not covered")
+        return node
+
+    async def _on_every_primary(
+        self, args: tuple[Any, ...], options: dict[str, Any]
+    ) -> list[Any]:
+        await self.cluster.initialize()
+        primaries = self.cluster.get_primaries()
+        # One call per node, so the reply shape does not depend on how many
+        # primaries there are; any failure fails the whole check, which the
+        # caller retries: an answer must hold for every primary.
+        replies = await asyncio.gather(
+            *(
+                self.cluster.execute_command(*args, target_nodes=node, **options)
+                for node in primaries
+            )
+        )
+        return list(replies)
+
+    async def xreadgroup(
+        self,
+        groupname: str,
+        consumername: str,
+        streams: dict[str, str | int],
+        count: int | None = None,
+        block: int | None = None,
+    ) -> StreamEntries:
+        """XREADGROUP for streams in any slots; replies as RESP2 pairs."""
+        if self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
+        groups = slot_groups(streams)
+        if len(groups) == 1:
+            return await self._read(groups[0], groupname, consumername, count, block)
+        now = time.monotonic()
+        for group in groups:
+            key = tuple(group)
+            if key not in self._reads and self._resting_until.get(key, 0.0) <= now:
+                self._reads[key] = asyncio.create_task(
+                    self._read(group, groupname, consumername, count, block)
+                )
+        # block 0 is "forever" to Redis; None does not block at all.
+        timeout = None if block in (None, 0) else block / 1000
+        if not self._reads:
+            # Every slot is resting after failures: wait for the first one
+            # due, within the caller's block.
+            due = min(self._resting_until.values()) - now
+            await asyncio.sleep(max(0.0, due if timeout is None else min(due, timeout)))
+            return []
+        done, _ = await asyncio.wait(
+            self._reads.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        return self._collect(done, len(groups))
+
+    def _collect(
+        self, done: Iterable[asyncio.Task[StreamEntries]], group_count: int
+    ) -> StreamEntries:
+        fetched: StreamEntries = []
+        failure: BaseException | None = None
+        for key, task in list(self._reads.items()):
+            if task not in done:
+                continue
+            del self._reads[key]
+            error = task.exception()
+            if error is None:
+                fetched += task.result()
+                self._reachable(key)
+            elif is_outage(error):
+                self._unreachable(key, error)
+            elif failure is None:
+                failure = error
+        if failure is None and len(self._failing) == group_count:
+            # Nothing is reachable: the loop's own outage handling takes over
+            # and every slot is tried again after it.
+            failure = next(iter(self._failing.values()))
+            self._failing.clear()
+            self._backoff.clear()
+            self._resting_until.clear()
+        if failure is not None:
+            if not fetched:
+                raise failure
+            self._deferred = failure
+        return fetched
+
+    def _unreachable(self, key: tuple[str, ...], error: BaseException) -> None:
+        backoff = self._backoff.get(key)
+        if backoff is None:
+            backoff = self._backoff[key] = Backoff(
+                f"streams {', '.join(key)}", consequence="reading the others meanwhile"
+            )
+        self._failing[key] = error
+        self._resting_until[key] = time.monotonic() + backoff.failed(error)
+
+    def _reachable(self, key: tuple[str, ...]) -> None:
+        self._failing.pop(key, None)
+        backoff = self._backoff.pop(key, None)
+        if backoff is not None:
+            backoff.succeeded()
+        self._resting_until.pop(key, None)
+
+    async def _read(
+        self,
+        group: dict[str, str | int],
+        groupname: str,
+        consumername: str,
+        count: int | None,
+        block: int | None,
+    ) -> StreamEntries:
+        pieces: list[Any] = ["XREADGROUP", "GROUP", groupname, consumername]
+        if count is not None:
+            pieces += ["COUNT", count]
+        if block is not None:
+            pieces += ["BLOCK", block]
+        pieces += ["STREAMS", *group, *group.values()]
+        node = await self.primary_for(next(iter(group)))
+        # Bounded: on a half-open connection (socket_timeout None) the read
+        # would wait for ever and its slot would never be read again.
+        call = self.cluster.execute_command(*pieces, target_nodes=node)
+        reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
+        fetched = _as_pairs(reply)
+        if fetched and self._on_delivered is not None:
+            self._on_delivered(fetched)
+        return fetched
+
+    async def close(self) -> None:
+        """Stop outstanding reads (their entries, if any, were already
+        reported to ``on_delivered``, so a hand-back still covers them)."""
+        reads, self._reads = list(self._reads.values()), {}
+        for task in reads:
+            task.cancel()
+        for task in reads:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class OneNodeClient:
+    """The slice of a client that durability checks need, bound to one node."""
+
+    def __init__(self, cluster: RedisCluster, node: ClusterNode) -> None:
+        self.cluster = cluster
+        self.node = node
+
+    async def execute_command(self, *args: Any) -> Any:
+        return await self.cluster.execute_command(*args, target_nodes=self.node)

@@ -1,0 +1,51 @@
+"""How the broker learns what taskiq's receiver does with a message: which
+entry its callback parses (a formatter wrapper) and when the task starts (a
+middleware). See ``in_flight.py`` for why these two suffice."""
+
+from __future__ import annotations
+
+from taskiq import TaskiqMessage, TaskiqMiddleware
+from taskiq.abc.formatter import TaskiqFormatter
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim.in_flight import Connect, InFlight, bounded_reason
+
+
+class EntryAwareFormatter(TaskiqFormatter):
+    """The broker's formatter, telling ``InFlight`` which entry the receiver
+    parses and which ones it cannot parse."""
+
+    def __init__(self, inner: TaskiqFormatter, in_flight: InFlight) -> None:
+        self.inner = inner
+        self.in_flight = in_flight
+
+    def dumps(self, message: TaskiqMessage) -> BrokerMessage:
+        return self.inner.dumps(message)
+
+    def loads(self, message: bytes) -> TaskiqMessage:
+        delivery = self.in_flight.loaded(message)
+        try:
+            return self.inner.loads(message)
+        except Exception as error:
+            if delivery is not None:
+                # taskiq acks what it cannot parse; that ack dead-letters it.
+                delivery.unparsable = bounded_reason(
+                    f"the formatter cannot parse its data: {type(error).__name__}:"
+                    f" {error}"
+                )
+            raise
+
+
+class StartRecorder(TaskiqMiddleware):
+    """Records each task's start on the server before the task runs."""
+
+    def __init__(self, in_flight: InFlight, connect: Connect) -> None:
+        super().__init__()
+        self.in_flight = in_flight
+        self.connect = connect
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        delivery = self.in_flight.of_current_task()
+        if delivery is not None:
+            await self.in_flight.record_start(self.connect, delivery)
+        return message

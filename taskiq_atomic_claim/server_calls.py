@@ -1,0 +1,45 @@
+"""Bounds on calls to the server: a deadline for every reply, and honouring
+a cancel that redis-py swallowed, so no loop waits or runs for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# No reply within this (beyond a read's own block) means the connection is
+# dead, e.g. half-open after a host vanished: without a socket_timeout
+# redis-py would wait for ever. Generous, as a busy server stalls for seconds.
+REPLY_MARGIN_S = 5.0
+
+_T = TypeVar("_T")
+
+
+async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
+    """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``.
+
+    Runs in the calling task where Python allows (3.11+): ``wait_for``'s
+    extra task was seen to leave killed pool connections to the next caller.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
+def raise_if_cancel_was_swallowed() -> None:
+    """Honour a cancel that a redis-py call swallowed (seen on Python 3.11).
+
+    The call then returns normally and a loop would run on forever, so
+    whoever cancelled it (taskiq's receiver at shutdown, ``wait_for``) hangs.
+    ``Task.cancelling()`` still counts the request.
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError

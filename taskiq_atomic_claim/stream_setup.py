@@ -1,0 +1,92 @@
+"""What a worker checks and repairs about its streams and consumer groups,
+part of every atomic broker (``ReclaimingListener`` mixes this in): key types
+and server durability at startup, groups lost to an empty restart or a
+deletion while it runs (``group_recovery``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ResponseError
+
+from taskiq_atomic_claim.durability import warn_about_durability
+from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
+from taskiq_atomic_claim.server_calls import UNREACHABLE
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+
+class StreamTypeError(RuntimeError):
+    """A key the broker must read as a stream holds another type (WRONGTYPE)."""
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class StreamSetup:
+    """Startup checks of the stream keys and servers; group re-creation."""
+
+    queue_name: str
+    consumer_group_name: str
+    mkstream: bool
+    group_positions: GroupPositions
+    if TYPE_CHECKING:
+
+        @property
+        def streams(self) -> list[str]: ...
+
+        def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
+
+    async def check_stream_types(self) -> None:
+        """Fail at startup, naming the key, if a stream key holds another type."""
+        async with self._connection() as client:
+            for stream in self.streams:
+                kind = _text(await client.type(stream))
+                if kind not in ("stream", "none"):
+                    raise StreamTypeError(
+                        f"key {stream!r} holds a {kind}, not a stream: pick another"
+                        " queue_name / additional_streams key or remove that key"
+                    )
+
+    async def recreate_groups(self, client: Any) -> None:
+        """Re-create the consumer group on every stream that lost it, never
+        after entries it holds (see ``group_recovery``)."""
+        for stream in self.streams:
+            try:
+                start = await recreate_group(
+                    client,
+                    stream,
+                    self.consumer_group_name,
+                    self.group_positions.get(stream),
+                    self.mkstream,
+                )
+            except ResponseError as error:  # e.g. mkstream=False, stream gone
+                logger.debug("Group on %r not re-created: %s", stream, error)
+                continue
+            if start is not None:
+                logger.warning(
+                    "Re-created consumer group %r on stream %r at id %s",
+                    self.consumer_group_name,
+                    stream,
+                    start,
+                )
+
+    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+        """The servers behind ``client``, each with a name for the log."""
+        return [(f"server of queue {self.queue_name!r}", client)]
+
+    async def check_durability(self) -> None:
+        """Startup: remember where the groups are, and warn about server
+        settings that lose tasks. Never fails the start."""
+        try:
+            async with self._connection() as client:
+                await self.group_positions.learn(
+                    client, self.streams, self.consumer_group_name
+                )
+                for where, server in self._servers(client):
+                    await warn_about_durability(server, where)
+        except UNREACHABLE as error:
+            logger.debug("Durability not checked at start-up: %s", error)
