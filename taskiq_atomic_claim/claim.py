@@ -1,9 +1,12 @@
-"""One claim cycle for one stream: a single call of ``lua/claim.lua``."""
+"""One claim cycle for one or several streams: a single call of ``lua/claim.lua``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
@@ -32,6 +35,10 @@ class ClaimOutcome:
     next_cursor: str = "0-0"
     lease_holder: str | None = None
     lease_ttl_ms: int | None = None
+    # XAUTOCLAIM filled its COUNT: more may be idle, and no lease was taken.
+    full: bool = False
+    # The server refused this stream's claim (e.g. NOGROUP); nothing changed.
+    error: ResponseError | None = None
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -40,6 +47,8 @@ def _as_bytes(value: Any) -> bytes:
 
 def _parse(reply: list[Any]) -> ClaimOutcome:
     status = _text(reply[0])
+    if status == "failed":
+        return ClaimOutcome(skipped=False, error=ResponseError(_text(reply[1])))
     if status == "skipped":
         return ClaimOutcome(
             skipped=True, lease_holder=_text(reply[1]), lease_ttl_ms=int(reply[2])
@@ -58,6 +67,7 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
         trimmed=[_text(entry_id) for entry_id in reply[3]],
         dead_lettered=[_text(entry_id) for entry_id in reply[4]],
         next_cursor=_text(reply[1]),
+        full=bool(reply[5]),
     )
 
 
@@ -69,18 +79,50 @@ async def claim_idle_entries(
     settings: ClaimSettings,
 ) -> ClaimOutcome:
     """Take the stream's lease and its idle entries, or learn who holds it."""
-    reply = await runner.call(
+    (outcome,) = await claim_streams(runner, client, [keys], consumer, settings)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome
+
+
+async def claim_streams(
+    runner: ScriptRunner,
+    client: ScriptClient,
+    streams: Sequence[StreamKeys],
+    consumer: str,
+    settings: ClaimSettings,
+    counts: Sequence[int] | None = None,
+) -> list[ClaimOutcome]:
+    """One claim cycle on each stream, all in one script call (so on Cluster
+    only for streams in one slot). ``counts`` bounds each stream's batch,
+    by default ``settings.batch_size``. A stream the server refused has its
+    ``error`` set; the others' outcomes stand."""
+    if not streams:
+        return []
+    if counts is None:
+        counts = [settings.batch_size] * len(streams)
+    replies = await runner.call(
         client,
         "claim",
-        [keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started],
         [
-            keys.group,
+            key
+            for keys in streams
+            for key in (
+                keys.stream,
+                keys.lease,
+                keys.cursor,
+                keys.dead_letters,
+                keys.started,
+            )
+        ],
+        [
+            streams[0].group,
             consumer,
             settings.idle_timeout,
-            settings.batch_size,
             settings.lease,
             settings.cursor_ttl,
             settings.max_deliveries,
+            *counts,
         ],
     )
-    return _parse(reply)
+    return [_parse(reply) for reply in replies]

@@ -23,7 +23,7 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
-from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.claim import ClaimOutcome, claim_streams
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
 from taskiq_atomic_claim.in_flight import (
@@ -123,6 +123,8 @@ class ReclaimingListener:
         self.group_positions = GroupPositions()
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
+        # Per stream: when (monotonic s) this consumer claims on it next.
+        self._claim_due: dict[str, float] = {}
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -140,10 +142,39 @@ class ReclaimingListener:
 
     async def claim(self, client: Any, stream: str) -> ClaimOutcome:
         """One claim cycle for one stream: one script call, one round trip."""
-        keys = StreamKeys(stream, self.consumer_group_name)
-        outcome = await claim_idle_entries(
-            self.scripts, client, keys, self.consumer_name, self.claim_settings
+        (outcome,) = await self.claim_streams(client, [stream])
+        return outcome
+
+    async def claim_streams(
+        self, client: Any, streams: list[str]
+    ) -> list[ClaimOutcome]:
+        """One claim cycle on each of ``streams`` in one script call. A batch
+        is at most what one read takes (``xread_count``): a worker claims no
+        more than it starts soon, so a backlog spreads over the fleet."""
+        count = self.claim_settings.batch_size
+        if self.count:
+            count = min(count, self.count)
+        outcomes = await claim_streams(
+            self.scripts,
+            client,
+            [StreamKeys(stream, self.consumer_group_name) for stream in streams],
+            self.consumer_name,
+            self.claim_settings,
+            [count] * len(streams),
         )
+        for stream, outcome in zip(streams, outcomes, strict=True):
+            self._record(stream, outcome)
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            # Entries other streams gave are this consumer's now: deliver
+            # them first, raise after (see _claim_all).
+            if not any(outcome.entries for outcome in outcomes):
+                raise failed[0]
+            self._claim_error = failed[0]
+        return outcomes
+
+    def _record(self, stream: str, outcome: ClaimOutcome) -> None:
+        keys = StreamKeys(stream, self.consumer_group_name)
         if outcome.skipped:
             self.metrics.add("lease_skips", stream)
         self.metrics.add("claimed", stream, len(outcome.entries))
@@ -171,15 +202,16 @@ class ReclaimingListener:
             logger.debug(
                 "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
             )
-        return outcome
 
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and, every claim interval, reclaimed ones."""
         self._track_starts()
         self._start_heartbeat()
-        interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
-        next_claim = time.monotonic()
+        self._claim_due = dict.fromkeys(self.streams, time.monotonic())
+        # After a full claim batch, read new messages before claiming again:
+        # they keep flowing while a backlog drains.
+        read_turn = False
         outage = Backoff(f"consumer {self.consumer_name}")
         recreate_group = False  # before the next call
         group_gone = False  # NOGROUP since the last call that worked
@@ -195,19 +227,21 @@ class ReclaimingListener:
                     if recreate_group:
                         await self.recreate_groups(client)
                         recreate_group = False
-                    if time.monotonic() >= next_claim:
-                        next_claim = time.monotonic() + interval
+                    due = self._due_streams()
+                    if due and not read_turn:
                         claiming = True
                         batch = await within(
-                            REPLY_MARGIN_S * len(self.streams),
-                            self._claim_all(client),
+                            REPLY_MARGIN_S * len(due), self._claim_all(client, due)
                         )
                         claiming = claim_refused = False
+                        read_turn = bool(batch)
                     if not batch:
                         # The read blocks until the next claim at most.
+                        read_turn = False
                         batch = await within(
-                            max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
-                            self._read_new(client, read_from, next_claim),
+                            max(0.0, self._next_claim - time.monotonic())
+                            + REPLY_MARGIN_S,
+                            self._read_new(client, read_from, self._next_claim),
                         )
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
@@ -286,21 +320,48 @@ class ReclaimingListener:
         if error is not None:
             raise error
 
-    async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
-        """Claim on every stream. A stream whose claim fails does not drop
-        what earlier streams' claims took (those entries are this consumer's
-        now): they are delivered, and the error is raised afterwards."""
+    async def _claim_all(
+        self, client: Any, streams: list[str] | None = None
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """Claim on ``streams`` (all by default), as few calls as the
+        topology allows, and schedule each stream's next claim: at once
+        after a full batch, past the lease another consumer holds, else one
+        claim interval on. A call that fails does not drop what earlier calls
+        took (those entries are this consumer's now): they are delivered,
+        and the error is raised afterwards."""
+        interval = self.claim_settings.claim_interval / 1000
+        streams = self.streams if streams is None else streams
+        started = time.monotonic()
+        self._claim_due.update(dict.fromkeys(streams, started + interval))
         batch: list[tuple[str, str, dict[Any, Any]]] = []
-        for stream in self.streams:
+        for group in self._claim_groups(streams):
             try:
-                outcome = await self.claim(client, stream)
+                outcomes = await self.claim_streams(client, group)
             except Exception as error:
                 if not batch:
                     raise
                 self._claim_error = error
                 break
-            batch += [(stream, e.id, e.fields) for e in outcome.entries]
+            for stream, outcome in zip(group, outcomes, strict=True):
+                batch += [(stream, e.id, e.fields) for e in outcome.entries]
+                if outcome.full:
+                    self._claim_due[stream] = started
+                elif outcome.lease_ttl_ms is not None:
+                    wait = outcome.lease_ttl_ms + self.claim_settings.skip_wait
+                    self._claim_due[stream] = started + wait / 1000
         return batch
+
+    @property
+    def _next_claim(self) -> float:
+        return min(self._claim_due.values())
+
+    def _due_streams(self) -> list[str]:
+        now = time.monotonic()
+        return [stream for stream, at in self._claim_due.items() if at <= now]
+
+    def _claim_groups(self, streams: list[str]) -> list[list[str]]:
+        """Streams that one script call can claim together."""
+        return [streams]
 
     async def _read_new(
         self, client: Any, read_from: dict[str, Any], next_claim: float

@@ -185,7 +185,9 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
                 "Consumer group %r not created yet: %s", self.consumer_group_name, error
             )
 
-    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
+    async def claim_streams(
+        self, client: Any, streams: list[str]
+    ) -> list[ClaimOutcome]:
         """A claim cycle, after making sure ``client`` is on the current master."""
         now = time.monotonic()
         if now - self._master_checked >= self.claim_settings.claim_interval / 1000:
@@ -193,7 +195,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             # Asks the sentinels; when the master moved, the pool closes its
             # idle connections, so the next command reaches the new one.
             await client.connection_pool.get_master_address()
-        return await super().claim(client, stream)
+        return await super().claim_streams(client, streams)
 
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone
