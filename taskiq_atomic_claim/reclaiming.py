@@ -49,6 +49,9 @@ _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 REPLY_MARGIN_S = 5.0
 
 _T = TypeVar("_T")
+# A worker holding nothing still claims this many at once (if its settings
+# allow): holding more than it runs waits for it, not the fleet.
+MIN_CLAIM = 10
 
 
 async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
@@ -149,11 +152,11 @@ class ReclaimingListener:
         self, client: Any, streams: list[str]
     ) -> list[ClaimOutcome]:
         """One claim cycle on each of ``streams`` in one script call. A batch
-        is at most what one read takes (``xread_count``): a worker claims no
-        more than it starts soon, so a backlog spreads over the fleet."""
-        count = self.claim_settings.batch_size
-        if self.count:
-            count = min(count, self.count)
+        is at most what one read takes (``xread_count``) and what this worker
+        already runs (at least ``MIN_CLAIM``): it claims no more than it
+        starts soon, so a backlog spreads over the fleet."""
+        count = max(MIN_CLAIM, len(self.in_flight))
+        count = min(count, self.claim_settings.batch_size, self.count or count)
         outcomes = await claim_streams(
             self.scripts,
             client,
@@ -344,7 +347,8 @@ class ReclaimingListener:
                 break
             for stream, outcome in zip(group, outcomes, strict=True):
                 batch += [(stream, e.id, e.fields) for e in outcome.entries]
-                if outcome.full:
+                if outcome.full or outcome.next_cursor != "0-0":
+                    # A backlog, or a scan cut short at 10 x COUNT: go on.
                     self._claim_due[stream] = started
                 elif outcome.lease_ttl_ms is not None:
                     wait = outcome.lease_ttl_ms + self.claim_settings.skip_wait

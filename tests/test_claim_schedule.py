@@ -203,3 +203,40 @@ async def test_a_non_holder_makes_no_claim_while_the_lease_it_was_told_of_lives(
     # Ten claim intervals of listening: one claim, told of 30 s of lease.
     assert await take(other.listen(), 1, within_s=1.0) == []
     assert await script_calls(redis) == before + 1
+
+
+async def test_a_worker_holding_nothing_claims_a_small_batch_first(
+    make_broker: Any, redis: Redis
+) -> None:
+    await orphan(redis, "jobs", 40)
+    broker = await make_broker(
+        queue_name="jobs", idle_timeout=120_000, consumer_name="live"
+    )
+    listener = broker.listen()
+    message = await asyncio.wait_for(listener.__anext__(), 10)
+    assert len(broker.in_flight) <= 10
+    await message.ack()
+
+
+async def test_a_scan_cut_short_goes_on_before_the_interval(
+    make_broker: Any, redis: Redis
+) -> None:
+    # 250 entries a live worker runs (not idle), then one orphan: with ten
+    # per claim XAUTOCLAIM scans 100 PEL entries a call, so only going on at
+    # once reaches the orphan before the next claim interval (a minute).
+    await redis.xgroup_create("jobs", GROUP, id="0", mkstream=True)
+    for number in range(250):
+        await redis.xadd("jobs", {"data": f"busy-{number}".encode()})
+    await redis.xreadgroup(GROUP, "busy", {"jobs": ">"}, count=250)
+    lost = await redis.xadd("jobs", {"data": b"orphan"})
+    await redis.xreadgroup(GROUP, "dead", {"jobs": ">"}, count=1)
+    await redis.xclaim("jobs", GROUP, "dead", 0, [lost], idle=DAY_MS, justid=True)
+    broker = await make_broker(
+        queue_name="jobs",
+        idle_timeout=120_000,
+        claim_interval=60_000,
+        unacknowledged_batch_size=10,
+        consumer_name="live",
+    )
+    taken = await take(broker.listen(), 1, within_s=20)
+    assert [message.data for message in taken] == [b"orphan"]
