@@ -45,6 +45,15 @@ def _as_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
+def _fields(flat: list[Any]) -> dict[bytes, bytes]:
+    # Clients without decode_responses (the brokers') get bytes already:
+    # no per-field conversion on the claim's hot path.
+    if all(isinstance(item, bytes) for item in flat):
+        return dict(zip(flat[::2], flat[1::2], strict=True))
+    pairs = zip(flat[::2], flat[1::2], strict=True)
+    return {_as_bytes(k): _as_bytes(v) for k, v in pairs}
+
+
 def _parse(reply: list[Any]) -> ClaimOutcome:
     status = _text(reply[0])
     if status == "failed":
@@ -53,17 +62,9 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
         return ClaimOutcome(
             skipped=True, lease_holder=_text(reply[1]), lease_ttl_ms=int(reply[2])
         )
-    entries = []
-    for entry_id, flat in reply[2]:
-        pairs = zip(flat[::2], flat[1::2], strict=True)
-        entries.append(
-            ClaimedEntry(
-                _text(entry_id), {_as_bytes(k): _as_bytes(v) for k, v in pairs}
-            )
-        )
     return ClaimOutcome(
         skipped=False,
-        entries=entries,
+        entries=[ClaimedEntry(_text(i), _fields(flat)) for i, flat in reply[2]],
         trimmed=[_text(entry_id) for entry_id in reply[3]],
         dead_lettered=[_text(entry_id) for entry_id in reply[4]],
         next_cursor=_text(reply[1]),
