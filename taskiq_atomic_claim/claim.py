@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,12 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _script_keys(keys: StreamKeys) -> tuple[str, ...]:
+    # Built once per stream, not per claim: claims are a hot path.
+    return (keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started)
+
+
 async def claim_idle_entries(
     runner: ScriptRunner,
     client: ScriptClient,
@@ -100,24 +107,17 @@ async def claim_streams(
     ``error`` set; the others' outcomes stand."""
     if not streams:
         return []
+    group = streams[0].group
+    if any(keys.group != group for keys in streams):
+        raise ValueError("claim_streams: every stream must be of one consumer group")
     if counts is None:
         counts = [settings.batch_size] * len(streams)
     replies = await runner.call(
         client,
         "claim",
+        [key for keys in streams for key in _script_keys(keys)],
         [
-            key
-            for keys in streams
-            for key in (
-                keys.stream,
-                keys.lease,
-                keys.cursor,
-                keys.dead_letters,
-                keys.started,
-            )
-        ],
-        [
-            streams[0].group,
+            group,
             consumer,
             settings.idle_timeout,
             settings.lease,
