@@ -49,7 +49,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         :param unacknowledged_lock_timeout: seconds the claim lease lives
             (as in the parent); by default one claim interval, never forever.
         :param claim_interval: ms between reclaim cycles; by default
-            min(1000, idle_timeout // 2). Must be below idle_timeout.
+            idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
+            worker's tasks re-run within idle_timeout + claim_interval.
         :param max_deliveries: an entry whose task started this many times
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.

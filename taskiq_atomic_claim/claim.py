@@ -1,9 +1,13 @@
-"""One claim cycle for one stream: a single call of ``lua/claim.lua``."""
+"""One claim cycle for one or several streams: a single call of ``lua/claim.lua``."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import CLAIM
@@ -33,33 +37,47 @@ class ClaimOutcome:
     next_cursor: str = "0-0"
     lease_holder: str | None = None
     lease_ttl_ms: int | None = None
+    # XAUTOCLAIM filled its COUNT: more may be idle, and no lease was taken.
+    full: bool = False
+    # The server refused this stream's claim (e.g. NOGROUP); nothing changed.
+    error: ResponseError | None = None
 
 
 def _as_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
+def _fields(flat: list[Any]) -> dict[bytes, bytes]:
+    # Clients without decode_responses (the brokers') get bytes already:
+    # no per-field conversion on the claim's hot path.
+    if all(isinstance(item, bytes) for item in flat):
+        return dict(zip(flat[::2], flat[1::2], strict=True))
+    pairs = zip(flat[::2], flat[1::2], strict=True)
+    return {_as_bytes(k): _as_bytes(v) for k, v in pairs}
+
+
 def _parse(reply: list[Any]) -> ClaimOutcome:
     status = _text(reply[0])
+    if status == "failed":
+        return ClaimOutcome(skipped=False, error=ResponseError(_text(reply[1])))
     if status == "skipped":
         return ClaimOutcome(
             skipped=True, lease_holder=_text(reply[1]), lease_ttl_ms=int(reply[2])
         )
-    entries = []
-    for entry_id, flat in reply[2]:
-        pairs = zip(flat[::2], flat[1::2], strict=True)
-        entries.append(
-            ClaimedEntry(
-                _text(entry_id), {_as_bytes(k): _as_bytes(v) for k, v in pairs}
-            )
-        )
     return ClaimOutcome(
         skipped=False,
-        entries=entries,
+        entries=[ClaimedEntry(_text(i), _fields(flat)) for i, flat in reply[2]],
         trimmed=[_text(entry_id) for entry_id in reply[3]],
         dead_lettered=[_text(entry_id) for entry_id in reply[4]],
         next_cursor=_text(reply[1]),
+        full=bool(reply[5]),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _script_keys(keys: StreamKeys) -> tuple[str, ...]:
+    # Built once per stream, not per claim: claims are a hot path.
+    return (keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started)
 
 
 async def claim_idle_entries(
@@ -70,18 +88,43 @@ async def claim_idle_entries(
     settings: ClaimSettings,
 ) -> ClaimOutcome:
     """Take the stream's lease and its idle entries, or learn who holds it."""
-    reply = await runner.call(
+    (outcome,) = await claim_streams(runner, client, [keys], consumer, settings)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome
+
+
+async def claim_streams(
+    runner: ScriptRunner,
+    client: ScriptClient,
+    streams: Sequence[StreamKeys],
+    consumer: str,
+    settings: ClaimSettings,
+    counts: Sequence[int] | None = None,
+) -> list[ClaimOutcome]:
+    """One claim cycle on each stream, all in one script call (so on Cluster
+    only for streams in one slot). ``counts`` bounds each stream's batch,
+    by default ``settings.batch_size``. A stream the server refused has its
+    ``error`` set; the others' outcomes stand."""
+    if not streams:
+        return []
+    group = streams[0].group
+    if any(keys.group != group for keys in streams):
+        raise ValueError("claim_streams: every stream must be of one consumer group")
+    if counts is None:
+        counts = [settings.batch_size] * len(streams)
+    replies = await runner.call(
         client,
         CLAIM,
-        [keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started],
+        [key for keys in streams for key in _script_keys(keys)],
         [
-            keys.group,
+            group,
             consumer,
             settings.idle_timeout,
-            settings.batch_size,
             settings.lease,
             settings.cursor_ttl,
             settings.max_deliveries,
+            *counts,
         ],
     )
-    return _parse(reply)
+    return [_parse(reply) for reply in replies]

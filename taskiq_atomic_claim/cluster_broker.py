@@ -24,6 +24,7 @@ from taskiq_atomic_claim.cluster_client import (
     OneNodeClient,
     SlotRoutedClient,
     StreamEntries,
+    slot_groups,
 )
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
@@ -78,7 +79,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             by default one claim interval, never forever.
         :param xread_count: entries one XREADGROUP returns at most (per slot).
         :param claim_interval: ms between reclaim cycles; by default
-            min(1000, idle_timeout // 2). Must be below idle_timeout.
+            idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
+            worker's tasks re-run within idle_timeout + claim_interval.
         :param max_deliveries: an entry whose task started this many times
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
@@ -142,27 +144,35 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         finally:
             await client.close()
 
-    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
-        """A claim cycle for one stream; with several streams, one whose
-        primary is unreachable is skipped this cycle instead of stopping the
-        claims (and reads) of all the others."""
+    def _claim_groups(self, streams: list[str]) -> list[list[str]]:
+        """One script call per hash slot: its keys must share one."""
+        return [list(group) for group in slot_groups(dict.fromkeys(streams, ">"))]
+
+    async def claim_streams(
+        self, client: Any, streams: list[str]
+    ) -> list[ClaimOutcome]:
+        """A claim cycle for streams of one slot; with several slots, one
+        whose primary is unreachable is skipped this cycle instead of
+        stopping the claims (and reads) of all the others."""
         try:
-            outcome = await super().claim(client, stream)
+            outcomes = await super().claim_streams(client, streams)
         except Exception as error:
-            if len(self.streams) == 1 or not is_outage(error):
+            if set(streams) == set(self.streams) or not is_outage(error):
                 raise
-            if stream not in self._unclaimable:
-                self._unclaimable.add(stream)
-                logger.warning(
-                    "Cannot claim on stream %r, claiming the others meanwhile: %s",
-                    stream,
-                    error,
-                )
-            return ClaimOutcome(skipped=True)
-        if stream in self._unclaimable:
-            self._unclaimable.discard(stream)
-            logger.warning("Claiming on stream %r again", stream)
-        return outcome
+            for stream in streams:
+                if stream not in self._unclaimable:
+                    self._unclaimable.add(stream)
+                    logger.warning(
+                        "Cannot claim on stream %r, claiming the others meanwhile: %s",
+                        stream,
+                        error,
+                    )
+            return [ClaimOutcome(skipped=True) for _ in streams]
+        for stream in streams:
+            if stream in self._unclaimable:
+                self._unclaimable.discard(stream)
+                logger.warning("Claiming on stream %r again", stream)
+        return outcomes
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
         for stream, entries in fetched:

@@ -20,7 +20,7 @@ ACK: Operation[int] = Operation("ack", ("stream", "started"))
 # ["claimed", cursor, entries, trimmed ids, dead-lettered ids] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
 CLAIM: Operation[list[Any]] = Operation(
-    "claim", ("stream", "lease", "cursor", "dead_letters", "started")
+    "claim", ("stream", "lease", "cursor", "dead_letters", "started"), repeated=True
 )
 # [dead-letter id], or [] when the entry was already gone.
 DEAD_LETTER: Operation[list[Any]] = Operation(
@@ -69,6 +69,11 @@ def check_declarations(
             f" file {sorted(set(declared) - set(library.scripts))}"
         )
     for name, script in library.scripts.items():
+        if script.repeated_keys != declared[name].repeated:
+            raise RuntimeError(
+                f"lua/{name}.lua and operations.py disagree on whether its keys"
+                " come in a group per item"
+            )
         if script.num_keys != declared[name].num_keys:
             raise RuntimeError(
                 f"lua/{name}.lua declares {script.num_keys} KEYS, operations.py"

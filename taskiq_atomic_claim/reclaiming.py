@@ -3,8 +3,9 @@
 A broker class mixes this in before its taskiq-redis parent and says how to
 get a client (``_connection``). Everything that talks to the server goes
 through the scripts in ``lua/`` or plain stream commands, so the same loop
-serves a standalone server, Sentinel and Cluster. The heartbeat and hand-back
-are in ``heartbeat.py``, the stream and group checks in ``stream_setup.py``.
+serves a standalone server, Sentinel and Cluster. When and how it claims is
+in ``claiming.py``, the heartbeat and hand-back in ``heartbeat.py``, the
+stream and group checks in ``stream_setup.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.backoff import Backoff
-from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
 from taskiq_atomic_claim.in_flight import EntryData, InFlight
@@ -48,7 +49,7 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class ReclaimingListener(Heartbeating, StreamSetup):
+class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
     """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
 
     # Provided by the taskiq-redis parent class.
@@ -87,6 +88,8 @@ class ReclaimingListener(Heartbeating, StreamSetup):
         self.group_positions = GroupPositions()
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
+        # Per stream: when (monotonic s) this consumer claims on it next.
+        self._claim_due: dict[str, float] = {}
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -102,48 +105,15 @@ class ReclaimingListener(Heartbeating, StreamSetup):
     def streams(self) -> list[str]:
         return [self.queue_name, *self.additional_streams]
 
-    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
-        """One claim cycle for one stream: one script call, one round trip."""
-        keys = StreamKeys(stream, self.consumer_group_name)
-        outcome = await claim_idle_entries(
-            self.scripts, client, keys, self.consumer_name, self.claim_settings
-        )
-        if outcome.skipped:
-            self.metrics.add("lease_skips", stream)
-        self.metrics.add("claimed", stream, len(outcome.entries))
-        self.metrics.add("trimmed", stream, len(outcome.trimmed))
-        self.metrics.add("dead_lettered", stream, len(outcome.dead_lettered))
-        if outcome.trimmed:
-            logger.warning(
-                "%d pending entries of stream %r were trimmed before anyone acked"
-                " them; their tasks are lost: %s",
-                len(outcome.trimmed),
-                stream,
-                ", ".join(outcome.trimmed),
-            )
-        if outcome.dead_lettered:
-            logger.error(
-                "%d entries of stream %r started %d times in workers that died"
-                " running them and were moved to dead letters %r: %s",
-                len(outcome.dead_lettered),
-                stream,
-                self.claim_settings.max_deliveries,
-                keys.dead_letters,
-                ", ".join(outcome.dead_lettered),
-            )
-        if outcome.entries:
-            logger.debug(
-                "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
-            )
-        return outcome
-
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and, every claim interval, reclaimed ones."""
         self._track_starts()
         self._start_heartbeat()
-        interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
-        next_claim = time.monotonic()
+        self._claim_due = dict.fromkeys(self.streams, time.monotonic())
+        # After a full claim batch, read new messages before claiming again:
+        # they keep flowing while a backlog drains.
+        read_turn = False
         outage = Backoff(f"consumer {self.consumer_name}")
         recreate_group = False  # before the next call
         group_gone = False  # NOGROUP since the last call that worked
@@ -159,19 +129,21 @@ class ReclaimingListener(Heartbeating, StreamSetup):
                     if recreate_group:
                         await self.recreate_groups(client)
                         recreate_group = False
-                    if time.monotonic() >= next_claim:
-                        next_claim = time.monotonic() + interval
+                    due = self._due_streams()
+                    if due and not read_turn:
                         claiming = True
                         batch = await within(
-                            REPLY_MARGIN_S * len(self.streams),
-                            self._claim_all(client),
+                            REPLY_MARGIN_S * len(due), self._claim_all(client, due)
                         )
                         claiming = claim_refused = False
+                        read_turn = bool(batch)
                     if not batch:
                         # The read blocks until the next claim at most.
+                        read_turn = False
                         batch = await within(
-                            max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
-                            self._read_new(client, read_from, next_claim),
+                            max(0.0, self._next_claim - time.monotonic())
+                            + REPLY_MARGIN_S,
+                            self._read_new(client, read_from, self._next_claim),
                         )
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
@@ -242,29 +214,6 @@ class ReclaimingListener(Heartbeating, StreamSetup):
             self.formatter = EntryAwareFormatter(self.formatter, self.in_flight)
         if not any(isinstance(m, StartRecorder) for m in self.middlewares):
             self.add_middlewares(StartRecorder(self.in_flight, self._connection))
-
-    def _raise_deferred_claim_error(self) -> None:
-        """A claim that failed after other streams' claims took entries is
-        raised once those are delivered, to be handled as any failed call."""
-        error, self._claim_error = self._claim_error, None
-        if error is not None:
-            raise error
-
-    async def _claim_all(self, client: Any) -> list[tuple[str, str, dict[Any, Any]]]:
-        """Claim on every stream. A stream whose claim fails does not drop
-        what earlier streams' claims took (those entries are this consumer's
-        now): they are delivered, and the error is raised afterwards."""
-        batch: list[tuple[str, str, dict[Any, Any]]] = []
-        for stream in self.streams:
-            try:
-                outcome = await self.claim(client, stream)
-            except Exception as error:
-                if not batch:
-                    raise
-                self._claim_error = error
-                break
-            batch += [(stream, e.id, e.fields) for e in outcome.entries]
-        return batch
 
     async def _read_new(
         self, client: Any, read_from: dict[str, Any], next_claim: float

@@ -37,7 +37,8 @@ _INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
 _OPERATION_NAME = re.compile(r"^[a-z_]+$")
 # A "  KEYS[n]  what it is" line of a Lua file's header comment (a column
 # of its own, unlike KEYS[n] mentioned in the prose).
-_KEYS_LINE = re.compile(r"^  KEYS\[(\d+)\]  ", re.MULTILINE)
+# "KEYS[2]", or "KEYS[5i+2]" for an operation taking a group of keys per item.
+_KEYS_LINE = re.compile(r"^  KEYS\[(?:(\d+)i\+)?(\d+)\]  ", re.MULTILINE)
 
 ReplyT = TypeVar("ReplyT")
 
@@ -74,6 +75,9 @@ class Operation(Generic[ReplyT]):
 
     name: str
     keys: tuple[str, ...]  # what KEYS[1], KEYS[2], ... are, for error messages
+    # The keys come as one group per item (e.g. per stream), any number of
+    # groups: KEYS[n*i+1..n*i+n].
+    repeated: bool = False
 
     @property
     def num_keys(self) -> int:
@@ -82,6 +86,13 @@ class Operation(Generic[ReplyT]):
     def check_keys(self, keys: Sequence[str]) -> None:
         """A wrong key count is a bug in the caller: say so before any round
         trip (the script would index past KEYS or take an ARGV for a key)."""
+        if self.repeated:
+            if keys and len(keys) % self.num_keys == 0:
+                return
+            raise TypeError(
+                f"operation {self.name!r} takes groups of {self.num_keys} keys"
+                f" ({', '.join(self.keys)}), got {len(keys)}"
+            )
         if len(keys) != self.num_keys:
             raise TypeError(
                 f"operation {self.name!r} takes {self.num_keys} keys"
@@ -89,14 +100,27 @@ class Operation(Generic[ReplyT]):
             )
 
 
-def declared_key_count(source: str) -> int:
-    """The keys a Lua file's header declares: its ``KEYS[n]`` lines, which
-    must number 1..n in order."""
+def declared_keys(source: str) -> tuple[int, bool]:
+    """The keys a Lua file's header declares, and whether per item: its
+    ``KEYS[n]`` lines numbered 1..n in order, or ``KEYS[ni+1]`` ..
+    ``KEYS[ni+n]`` for a group of n keys per item."""
     header = source.split("]]", 1)[0]
-    numbers = [int(n) for n in _KEYS_LINE.findall(header)]
+    lines = _KEYS_LINE.findall(header)
+    numbers = [int(n) for _, n in lines]
     if numbers != list(range(1, len(numbers) + 1)):
         raise ValueError(f"header KEYS lines must be KEYS[1]..KEYS[n]: {numbers}")
-    return len(numbers)
+    strides = {stride for stride, _ in lines}
+    if strides == {str(len(numbers))}:
+        return len(numbers), True
+    if strides not in (set(), {""}):
+        raise ValueError(
+            f"header KEYS lines must all be KEYS[{len(numbers)}i+k] or none: {lines}"
+        )
+    return len(numbers), False
+
+
+def declared_key_count(source: str) -> int:
+    return declared_keys(source)[0]
 
 
 @dataclass(frozen=True)
@@ -106,7 +130,11 @@ class Script:
 
     @cached_property
     def num_keys(self) -> int:
-        return declared_key_count(self.source)
+        return declared_keys(self.source)[0]
+
+    @cached_property
+    def repeated_keys(self) -> bool:
+        return declared_keys(self.source)[1]
 
     # Computed once: every EVALSHA call names it.
     @cached_property

@@ -108,9 +108,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
             by default one claim interval, never forever.
         :param xread_count: entries one XREADGROUP returns at most.
-        :param claim_interval: ms between reclaim cycles, and at most how
-            long the loop stays on a master the sentinels have replaced; by
-            default min(1000, idle_timeout // 2). Must be below idle_timeout.
+        :param claim_interval: ms between reclaim cycles; by default
+            idle_timeout // 4. Must be below idle_timeout. The loop leaves a
+            master the sentinels replaced within min(claim_interval, 1 s)
+            plus one read (xread_block).
         :param max_deliveries: an entry whose task started this many times
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
@@ -186,15 +187,28 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
                 "Consumer group %r not created yet: %s", self.consumer_group_name, error
             )
 
-    async def claim(self, client: Any, stream: str) -> ClaimOutcome:
+    async def claim_streams(
+        self, client: Any, streams: list[str]
+    ) -> list[ClaimOutcome]:
         """A claim cycle, after making sure ``client`` is on the current master."""
+        await self._follow_master(client)
+        return await super().claim_streams(client, streams)
+
+    async def _read_new(self, client: Any, *args: Any, **kwargs: Any) -> Any:
+        # Claims can be minutes apart (idle_timeout / 4 by default): reads,
+        # at least every xread_block, check for a replaced master too.
+        await self._follow_master(client)
+        return await super()._read_new(client, *args, **kwargs)
+
+    async def _follow_master(self, client: Any) -> None:
+        """Ask the sentinels for the master at most every claim interval or
+        second, whichever is shorter; when it moved, the pool closes its idle
+        connections, so the next command reaches the new one."""
         now = time.monotonic()
-        if now - self._master_checked >= self.claim_settings.claim_interval / 1000:
+        every_s = min(self.claim_settings.claim_interval, 1000) / 1000
+        if now - self._master_checked >= every_s:
             self._master_checked = now
-            # Asks the sentinels; when the master moved, the pool closes its
-            # idle connections, so the next command reaches the new one.
             await client.connection_pool.get_master_address()
-        return await super().claim(client, stream)
 
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone

@@ -11,7 +11,9 @@ logger = logging.getLogger("taskiq.atomic_claim")
 # XAUTOCLAIM scans COUNT*10 PEL entries per call; beyond this a single claim
 # call would block the server for a noticeable time.
 MAX_BATCH_SIZE = 10_000
-DEFAULT_CLAIM_INTERVAL_MS = 1_000
+# By default a claim runs every idle_timeout / 4: an entry left by a killed
+# worker re-runs within 1.25 * idle_timeout, and an idle fleet claims rarely.
+DEFAULT_CLAIM_INTERVAL_DIVISOR = 4
 DEFAULT_MAX_DELIVERIES = 5
 # Redis refuses an expiry whose deadline (now + PX) passes 2**63-1 ms since
 # the epoch; 2**62 ms leaves the clock room for ~146 million years.
@@ -105,7 +107,7 @@ class ClaimSettings:
                 idle,
             )
         if claim_interval is None:
-            interval = min(DEFAULT_CLAIM_INTERVAL_MS, idle // 2)
+            interval = max(1, idle // DEFAULT_CLAIM_INTERVAL_DIVISOR)
         else:
             interval = require_positive_int("claim_interval", claim_interval)
             if interval >= idle:
@@ -135,6 +137,16 @@ class ClaimSettings:
             else require_positive_int("max_deliveries", max_deliveries)
         )
         return cls(idle, interval, batch, lease, deliveries)
+
+    @property
+    def skip_wait(self) -> int:
+        """ms a consumer told of another's lease waits past its end before
+        claiming again. A holder that dies lets its lease lapse; someone
+        claims again by lease + skip_wait <= idle_timeout after, before its
+        entries are even idle: the re-run bound stays idle_timeout + claim
+        interval, while non-holders call rarely."""
+        room = self.idle_timeout - self.lease - self.claim_interval
+        return max(0, min(2 * self.claim_interval, room))
 
     @property
     def cursor_ttl(self) -> int:

@@ -96,6 +96,8 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
         await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
     # A lease of another claimer, once without an expiry (PTTL, PEXPIRE).
     await redis.set(side.lease, "someone-else")
+    # A cursor a claimer left mid-scan: this scan ends, so it is deleted (DEL).
+    await redis.set(jobs.cursor, "0-1", px=60_000)
     # Pending at a consumer that died (XAUTOCLAIM), and an entry without
     # data (the dead_letter script).
     await redis.xadd(QUEUE, {"data": "orphan"})

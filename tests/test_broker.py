@@ -205,11 +205,11 @@ def test_bad_settings_raise_value_error_naming_the_parameter(
 def test_defaults_follow_the_parent() -> None:
     broker = AtomicRedisStreamBroker("redis://127.0.0.1:1")
     assert broker.idle_timeout == 600_000
-    assert broker.claim_interval == 1_000
-    assert broker.claim_settings.lease == 1_000
+    assert broker.claim_interval == 150_000
+    assert broker.claim_settings.lease == 150_000
     assert broker.unacknowledged_batch_size == 100
     short = AtomicRedisStreamBroker("redis://127.0.0.1:1", idle_timeout=1_000)
-    assert short.claim_interval == 500
+    assert short.claim_interval == 250
     lock = AtomicRedisStreamBroker(
         "redis://127.0.0.1:1", unacknowledged_lock_timeout=2.5
     )

@@ -20,6 +20,8 @@ from taskiq_atomic_claim.scripts import (
 )
 
 _KEY_USE = re.compile(r"KEYS\[(\d+)\]")
+# KEYS[5 * i + 2]: the second key of item i's group.
+_GROUP_KEY_USE = re.compile(r"KEYS\[(\d+) \* \w+ \+ (\d+)\]")
 
 
 def test_every_lua_file_is_declared_with_its_header_key_count() -> None:
@@ -32,7 +34,12 @@ def test_every_lua_file_is_declared_with_its_header_key_count() -> None:
 def test_no_script_uses_a_key_its_header_does_not_declare(name: str) -> None:
     script = LIBRARY.scripts[name]
     body = script.source.split("]]", 1)[1]  # includes resolved
-    used = {int(n) for n in _KEY_USE.findall(body)}
+    if script.repeated_keys:
+        groups = _GROUP_KEY_USE.findall(body)
+        assert {int(stride) for stride, _ in groups} == {script.num_keys}
+        used = {int(n) for _, n in groups}
+    else:
+        used = {int(n) for n in _KEY_USE.findall(body)}
     assert used == set(range(1, script.num_keys + 1))
 
 

@@ -269,6 +269,28 @@ async def test_a_read_blocked_on_a_demoted_master_reconnects(
     await consumer.stop()
 
 
+@bounded(120)
+async def test_reads_leave_a_replaced_master_between_rare_claims(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # Claims 30 s apart (as idle_timeout / 4 makes them) and the old master
+    # left running: only the reads' own master check moves the loop before
+    # the sentinels demote the old master (~10 s) or the next claim (30 s).
+    setup = own_sentinels
+    queue = "rare-claims"
+    broker = await make_broker(
+        setup, queue, "reader", idle_timeout=120_000, claim_interval=30_000
+    )
+    consumer = Consumer(broker)
+    assert await consumer.wait_for(await kick(broker, queue, 1, "first"), 10)
+    await asyncio.to_thread(replicate, setup)
+    await asyncio.to_thread(setup.failover)
+    later = await kick(broker, queue, 1, "later")
+    handled = await consumer.wait_for(later, 5)
+    assert handled is not None, consumer.bodies
+    await consumer.stop()
+
+
 DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
 DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
 

@@ -39,9 +39,9 @@ REFUSED = [
     ({"xread_count": 10**30}, "xread_count"),
     ({"xread_count": MAX_REDIS_INT + 1}, "xread_count"),
     ({"maxlen": MAX_REDIS_INT + 1}, "maxlen"),
-    # Default claim interval 1000 ms, xread_block 2000 ms: reads block 1 s.
+    # Default xread_block 2000 ms (claim interval idle_timeout / 4): reads block 2 s.
     ({"socket_timeout": 1}, "socket_timeout"),
-    ({"socket_timeout": 1.5}, "socket_timeout"),
+    ({"socket_timeout": 2.5}, "socket_timeout"),
     ({"socket_timeout": 0.3, "claim_interval": 200}, "socket_timeout"),
     ({"socket_timeout": "5"}, "socket_timeout"),
 ]
@@ -67,7 +67,7 @@ def test_cluster_and_sentinel_brokers_refuse_the_same(
 
 
 def test_socket_timeout_above_the_longest_read_is_accepted() -> None:
-    AtomicRedisStreamBroker(NOWHERE, socket_timeout=1.6)
+    AtomicRedisStreamBroker(NOWHERE, socket_timeout=2.6)
     AtomicRedisStreamBroker(NOWHERE, socket_timeout=0.65, claim_interval=100)
     AtomicRedisStreamBroker(NOWHERE, socket_timeout=0.65, xread_block=100)
 
