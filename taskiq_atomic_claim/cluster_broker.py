@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -44,6 +45,7 @@ from taskiq_atomic_claim.reclaiming import (
     REPLY_MARGIN_S,
     ReclaimingListener,
     logger,
+    read_entries,
     within,
 )
 from taskiq_atomic_claim.scripts import _library_name
@@ -184,21 +186,29 @@ class SlotRoutedClient:
         streams: dict[str, str | int],
         count: int | None = None,
         block: int | None = None,
+        claim_min_idle_time: int | None = None,
     ) -> StreamEntries:
-        """XREADGROUP for streams in any slots; replies as RESP2 pairs."""
+        """XREADGROUP for streams in any slots; replies as RESP2 pairs.
+        ``claim_min_idle_time``: XREADGROUP ... CLAIM (Redis >= 8.4)."""
+        read = functools.partial(
+            self._read,
+            groupname=groupname,
+            consumername=consumername,
+            count=count,
+            block=block,
+            claim_min_idle_time=claim_min_idle_time,
+        )
         if self._deferred is not None:
             error, self._deferred = self._deferred, None
             raise error
         groups = slot_groups(streams)
         if len(groups) == 1:
-            return await self._read(groups[0], groupname, consumername, count, block)
+            return await read(groups[0])
         now = time.monotonic()
         for group in groups:
             key = tuple(group)
             if key not in self._reads and self._resting_until.get(key, 0.0) <= now:
-                self._reads[key] = asyncio.create_task(
-                    self._read(group, groupname, consumername, count, block)
-                )
+                self._reads[key] = asyncio.create_task(read(group))
         # block 0 is "forever" to Redis; None does not block at all.
         timeout = None if block in (None, 0) else block / 1000
         if not self._reads:
@@ -265,17 +275,24 @@ class SlotRoutedClient:
         consumername: str,
         count: int | None,
         block: int | None,
+        claim_min_idle_time: int | None,
     ) -> StreamEntries:
         pieces: list[Any] = ["XREADGROUP", "GROUP", groupname, consumername]
+        options: dict[str, Any] = {}
         if count is not None:
             pieces += ["COUNT", count]
         if block is not None:
             pieces += ["BLOCK", block]
+        if claim_min_idle_time is not None:
+            pieces += ["CLAIM", claim_min_idle_time]
+            # Tells redis-py's reply parser to keep each entry's idle time
+            # and delivery count.
+            options["claim_min_idle_time"] = claim_min_idle_time
         pieces += ["STREAMS", *group, *group.values()]
         node = await self.primary_for(next(iter(group)))
         # Bounded: on a half-open connection (socket_timeout None) the read
         # would wait for ever and its slot would never be read again.
-        call = self.cluster.execute_command(*pieces, target_nodes=node)
+        call = self.cluster.execute_command(*pieces, target_nodes=node, **options)
         reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
         fetched = _as_pairs(reply)
         if fetched and self._on_delivered is not None:
@@ -336,6 +353,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         xread_count: int | None = 100,
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        delete_acked: bool = False,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -353,6 +371,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
             None never gives up.
+        :param delete_acked: acks also delete the entry from the stream once
+            every consumer group acked it (XACKDEL ... ACKED), keeping the
+            stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
+            broker refuses to start.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
@@ -371,6 +393,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             additional_streams=additional_streams,
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
+            delete_acked=delete_acked,
         )
         named = [("queue_name", queue_name)]
         named += [("additional_streams key", s) for s in additional_streams or {}]
@@ -435,9 +458,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         return outcome
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
-        for stream, entries in fetched:
-            ids = [_text(entry_id) for entry_id, _ in entries]
-            self.in_flight.add(_text(stream), ids)
+        for stream, entry_id, _, _ in read_entries(fetched):
+            self.in_flight.add(stream, [entry_id])
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, without its ``async with self.redis`` (see
@@ -480,6 +502,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+            return await self.check_durability()
+        await self.check_server_features()
         await self.check_durability()
 
     async def shutdown(self) -> None:

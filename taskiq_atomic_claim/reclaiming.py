@@ -21,9 +21,11 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
+from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
 from taskiq_atomic_claim.in_flight import (
@@ -37,11 +39,13 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_info import LUA_CLAIM, NATIVE_CLAIM, ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
+_MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # No reply within this (beyond a read's own block) means the connection is
 # dead, e.g. half-open after a host vanished: without a socket_timeout
@@ -95,6 +99,8 @@ class ReclaimingListener:
     block: int
     count: int | None
     mkstream: bool
+    maxlen: int | None
+    approximate: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
         formatter: TaskiqFormatter
         middlewares: list[TaskiqMiddleware]
@@ -121,6 +127,8 @@ class ReclaimingListener:
             self.metrics,
         )
         self.group_positions = GroupPositions()
+        # What the server can do, once read (startup, or the first read).
+        self.server: ServerInfo | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
         # Shared by every ack: one outage, one log line, however many acks.
@@ -173,13 +181,68 @@ class ReclaimingListener:
             )
         return outcome
 
+    async def learn_server(self, client: Any) -> ServerInfo:
+        """What the server is and can do; INFO once per runner."""
+        self.server = await self.scripts.server(client)
+        return self.server
+
+    def _reads_reclaim(self, server: ServerInfo) -> bool:
+        """Whether reads reclaim (XREADGROUP ... CLAIM). The server ignores
+        CLAIM for a stream read from an explicit id, so every stream must be
+        read from ``>``; else the Lua claim serves them all."""
+        return server.native_claim and all(
+            start == ">" for start in self.additional_streams.values()
+        )
+
+    @property
+    def reclaim_path(self) -> str:
+        """What reclaims here: the read itself or the Lua claim script."""
+        native = self.server is not None and self._reads_reclaim(self.server)
+        return NATIVE_CLAIM if native else LUA_CLAIM
+
+    @property
+    def trimming_policy(self) -> str:
+        """What bounds the streams here (maxlen trimming, acks deleting)."""
+        server = self.server or ServerInfo("Redis", "unknown")
+        policy = server.trimming_policy
+        if self.claim_settings.delete_acked:
+            policy += "; XACKDEL ACKED on ack"
+        return policy
+
+    async def check_server_features(self) -> None:
+        """Startup: refuse, naming the server, what it cannot do."""
+        if not self.claim_settings.delete_acked:
+            return
+        async with self._connection() as client:
+            server = await self.learn_server(client)
+        server.require_acked_deletion()
+
+    async def kick(self, message: BrokerMessage) -> None:
+        """As the parent; with ``maxlen`` on Redis >= 8.2 the trimming is
+        ``ACKED``, so it never drops an entry a group has not acked."""
+        if self.maxlen is None:
+            await super().kick(message)  # type: ignore[misc]
+            return
+        queue_name = message.labels.get("queue_name") or self.queue_name
+        trim: list[Any] = ["MAXLEN", "~" if self.approximate else "=", self.maxlen]
+        async with self._connection() as client:
+            if (await self.learn_server(client)).acked_trimming:
+                trim.append("ACKED")
+            await client.execute_command(
+                "XADD", queue_name, *trim, "*", _DATA_FIELD, message.message
+            )
+
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        """Yield new messages and, every claim interval, reclaimed ones."""
+        """Yield new messages and reclaimed ones: reclaimed by the reads
+        themselves on Redis >= 8.4, else by the claim script every claim
+        interval."""
         self._track_starts()
         self._start_heartbeat()
         interval = self.claim_settings.claim_interval / 1000
         read_from = {self.queue_name: ">", **self.additional_streams}
         next_claim = time.monotonic()
+        # Chosen once per connection, at its first call that works.
+        reads_reclaim: bool | None = None
         outage = Backoff(f"consumer {self.consumer_name}")
         recreate_group = False  # before the next call
         group_gone = False  # NOGROUP since the last call that worked
@@ -195,7 +258,13 @@ class ReclaimingListener:
                     if recreate_group:
                         await self.recreate_groups(client)
                         recreate_group = False
-                    if time.monotonic() >= next_claim:
+                    reads_reclaim = (
+                        await self._choose_path(client)
+                        if reads_reclaim is None
+                        else reads_reclaim
+                    )
+                    # Where reads reclaim, no claim call runs at all.
+                    if not reads_reclaim and time.monotonic() >= next_claim:
                         next_claim = time.monotonic() + interval
                         claiming = True
                         batch = await within(
@@ -204,10 +273,8 @@ class ReclaimingListener:
                         )
                         claiming = claim_refused = False
                     if not batch:
-                        # The read blocks until the next claim at most.
-                        batch = await within(
-                            max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
-                            self._read_new(client, read_from, next_claim),
+                        batch, next_claim = await self._read_once(
+                            client, read_from, next_claim, interval, reads_reclaim
                         )
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
@@ -302,27 +369,111 @@ class ReclaimingListener:
             batch += [(stream, e.id, e.fields) for e in outcome.entries]
         return batch
 
+    async def _choose_path(self, client: Any) -> bool:
+        """Whether this connection's reads reclaim; logged once."""
+        server = await self.learn_server(client)
+        logger.info(
+            "Consumer %s on %s reclaims via %s",
+            self.consumer_name,
+            server.name,
+            self.reclaim_path,
+        )
+        return self._reads_reclaim(server)
+
+    async def _read_once(
+        self,
+        client: Any,
+        read_from: dict[str, Any],
+        next_claim: float,
+        interval: float,
+        reclaiming: bool,
+    ) -> tuple[list[tuple[str, str, dict[Any, Any]]], float]:
+        """One read, blocking until the next claim at most; returns the batch
+        and the next claim's time. A read that reclaims itself still returns
+        once per claim interval, for the loop's upkeep (e.g. following a
+        Sentinel master), which is then due."""
+        if reclaiming and time.monotonic() >= next_claim:
+            next_claim = time.monotonic() + interval
+            await self.before_reads(client)
+        batch = await within(
+            max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
+            self._read_new(client, read_from, next_claim, claim=reclaiming),
+        )
+        return batch, next_claim
+
+    async def before_reads(self, client: Any) -> None:
+        """Once per claim interval where reads reclaim (no claim call runs)."""
+
     async def _read_new(
-        self, client: Any, read_from: dict[str, Any], next_claim: float
+        self,
+        client: Any,
+        read_from: dict[str, Any],
+        next_claim: float,
+        *,
+        claim: bool = False,
     ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
+        first, taken over by the read itself."""
         # Never block past the next claim: reclaim must not wait for traffic.
         until = max(1, int((next_claim - time.monotonic()) * 1000))
         block = min(self.block, until) if self.block else until
+        idle = self.claim_settings.idle_timeout
+        extra = {"claim_min_idle_time": idle} if claim else {}
         fetched: Any = await client.xreadgroup(
             self.consumer_group_name,
             self.consumer_name,
             read_from,
             block=block,
             count=self.count,
+            **extra,
         )
-        batch = [
-            (_text(stream), _text(entry_id), fields)
-            for stream, entries in fetched or []
-            for entry_id, fields in entries
-        ]
-        for stream, entry_id, _ in batch:
+        read = read_entries(fetched)
+        for stream, entry_id, _, _ in read:
             self.group_positions.advance(stream, entry_id)
-        return batch
+        if claim:
+            return await self._screen_reclaimed(client, read)
+        return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
+
+    async def _screen_reclaimed(
+        self, client: Any, read: list[tuple[str, str, dict[Any, Any], bool]]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """What a claiming read returned, minus the reclaimed entries whose
+        task started max_deliveries times in workers that died (moved to
+        dead letters, as the Lua claim does): one HMGET per stream that had
+        reclaimed entries."""
+        reclaimed: dict[str, list[str]] = {}
+        for stream, entry_id, _, maybe_reclaimed in read:
+            if maybe_reclaimed:
+                reclaimed.setdefault(stream, []).append(entry_id)
+        poisoned: set[tuple[str, str]] = set()
+        max_deliveries = self.claim_settings.max_deliveries
+        for stream, ids in reclaimed.items():
+            self.metrics.add("claimed", stream, len(ids))
+            logger.debug("Reclaimed %d idle entries from stream %r", len(ids), stream)
+            if not max_deliveries:
+                continue
+            keys = StreamKeys(stream, self.consumer_group_name)
+            counts = await client.execute_command("HMGET", keys.started, *ids)
+            for entry_id, count in zip(ids, counts, strict=True):
+                if count is not None and int(count) >= max_deliveries:
+                    await move_to_dead_letters(
+                        self.scripts, client, keys, entry_id, _MAX_DELIVERIES_EXCEEDED
+                    )
+                    poisoned.add((stream, entry_id))
+                    self.metrics.add("dead_lettered", stream)
+                    logger.error(
+                        "Entry %s of stream %r started %d times in workers that"
+                        " died running it and was moved to dead letters %r",
+                        entry_id,
+                        stream,
+                        max_deliveries,
+                        keys.dead_letters,
+                    )
+        return [
+            (stream, entry_id, fields)
+            for stream, entry_id, fields, _ in read
+            if (stream, entry_id) not in poisoned
+        ]
 
     async def recreate_groups(self, client: Any) -> None:
         """Re-create the consumer group on every stream that lost it, never
@@ -404,7 +555,11 @@ class ReclaimingListener:
                     client,
                     "ack",
                     [stream, keys.started],
-                    [self.consumer_group_name, entry_id],
+                    [
+                        self.consumer_group_name,
+                        entry_id,
+                        int(self.claim_settings.delete_acked),
+                    ],
                 )
 
         return ack
@@ -546,3 +701,30 @@ class ReclaimingListener:
             return 0
         logger.info("Handed back %d unacked deliveries", handed)
         return handed
+
+
+def read_entries(fetched: Any) -> list[tuple[str, str, dict[Any, Any], bool]]:
+    """An XREADGROUP reply as (stream, id, fields, maybe reclaimed), whatever
+    its shape: RESP2 pairs or a RESP3 map (which redis-py wraps in one more
+    list), entries of (id, fields) or, read with CLAIM, (id, fields, idle ms,
+    delivery count), where new entries carry 0, 0. An entry without those
+    two (a redis-py that drops them) counts as maybe reclaimed."""
+    pairs = fetched.items() if isinstance(fetched, dict) else fetched or []
+    read = []
+    for stream, listed in pairs:
+        entries = listed
+        if listed and isinstance(listed[0], list) and _is_entry_list(listed[0]):
+            entries = listed[0]
+        for entry in entries:
+            fields = entry[1] if len(entry) > 1 else None
+            if not isinstance(fields, dict):
+                flat = list(fields or [])
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            reclaimed = len(entry) < 4 or int(entry[2]) > 0 or int(entry[3]) > 0
+            read.append((_text(stream), _text(entry[0]), fields, reclaimed))
+    return read
+
+
+def _is_entry_list(value: list[Any]) -> bool:
+    """A list of entries (each a list or tuple), not one entry (id first)."""
+    return not value or isinstance(value[0], list | tuple)

@@ -96,6 +96,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         xread_count: int | None = 100,
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        delete_acked: bool = False,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -114,6 +115,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
             None never gives up.
+        :param delete_acked: acks also delete the entry from the stream once
+            every consumer group acked it (XACKDEL ... ACKED), keeping the
+            stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
+            broker refuses to start.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -130,6 +135,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             additional_streams=additional_streams,
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
+            delete_acked=delete_acked,
         )
         require_name("master_name", master_name)
         super().__init__(
@@ -187,13 +193,18 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
 
     async def claim(self, client: Any, stream: str) -> ClaimOutcome:
         """A claim cycle, after making sure ``client`` is on the current master."""
+        await self.before_reads(client)
+        return await super().claim(client, stream)
+
+    async def before_reads(self, client: Any) -> None:
+        """At most once per claim interval, make sure ``client`` is on the
+        current master (where reads reclaim, no claim call does it)."""
         now = time.monotonic()
         if now - self._master_checked >= self.claim_settings.claim_interval / 1000:
             self._master_checked = now
             # Asks the sentinels; when the master moved, the pool closes its
             # idle connections, so the next command reaches the new one.
             await client.connection_pool.get_master_address()
-        return await super().claim(client, stream)
 
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone
@@ -206,6 +217,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+            return await self.check_durability()
+        await self.check_server_features()
         await self.check_durability()
 
     async def shutdown(self) -> None:
