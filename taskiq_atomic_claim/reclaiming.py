@@ -456,8 +456,14 @@ class ReclaimingListener:
             counts = await client.execute_command("HMGET", keys.started, *ids)
             for entry_id, count in zip(ids, counts, strict=True):
                 if count is not None and int(count) >= max_deliveries:
+                    # Recorded as the Lua claim does: the crashes that counted.
                     await move_to_dead_letters(
-                        self.scripts, client, keys, entry_id, _MAX_DELIVERIES_EXCEEDED
+                        self.scripts,
+                        client,
+                        keys,
+                        entry_id,
+                        _MAX_DELIVERIES_EXCEEDED,
+                        deliveries=int(count),
                     )
                     poisoned.add((stream, entry_id))
                     self.metrics.add("dead_lettered", stream)

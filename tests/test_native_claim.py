@@ -103,6 +103,7 @@ async def test_a_poison_entry_read_back_goes_to_dead_letters(
         [dead_letter] = await list_dead_letters(redis, KEYS)
         assert dead_letter.original_id == poison
         assert dead_letter.reason == "max_deliveries exceeded"
+        assert dead_letter.deliveries == 2, "the crashes that counted"
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert await redis.hget(KEYS.started, poison) is None
     finally:
