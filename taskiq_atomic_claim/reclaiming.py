@@ -129,6 +129,10 @@ class ReclaimingListener:
         self.group_positions = GroupPositions()
         # What the server can do, once read (startup, or the first read).
         self.server: ServerInfo | None = None
+        # Where reads reclaim: when drop_trimmed runs next, and where in
+        # each stream's PEL it goes on.
+        self._next_sweep = time.monotonic() + claim_settings.idle_timeout / 1000
+        self._sweep_from: dict[str, str] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
         # Shared by every ack: one outage, one log line, however many acks.
@@ -155,16 +159,8 @@ class ReclaimingListener:
         if outcome.skipped:
             self.metrics.add("lease_skips", stream)
         self.metrics.add("claimed", stream, len(outcome.entries))
-        self.metrics.add("trimmed", stream, len(outcome.trimmed))
         self.metrics.add("dead_lettered", stream, len(outcome.dead_lettered))
-        if outcome.trimmed:
-            logger.warning(
-                "%d pending entries of stream %r were trimmed before anyone acked"
-                " them; their tasks are lost: %s",
-                len(outcome.trimmed),
-                stream,
-                ", ".join(outcome.trimmed),
-            )
+        self._report_trimmed(stream, outcome.trimmed)
         if outcome.dead_lettered:
             logger.error(
                 "%d entries of stream %r started %d times in workers that died"
@@ -231,6 +227,38 @@ class ReclaimingListener:
             await client.execute_command(
                 "XADD", queue_name, *trim, "*", _DATA_FIELD, message.message
             )
+
+    def _report_trimmed(self, stream: str, trimmed: list[str]) -> None:
+        self.metrics.add("trimmed", stream, len(trimmed))
+        if trimmed:
+            logger.warning(
+                "%d pending entries of stream %r were trimmed before anyone acked"
+                " them; their tasks are lost: %s",
+                len(trimmed),
+                stream,
+                ", ".join(trimmed),
+            )
+
+    async def drop_trimmed(self, client: Any) -> None:
+        """Where reads reclaim: remove from the PEL entries deleted from the
+        stream while pending (CLAIM skips them, so nothing else would), and
+        report them as the claim does. Each stream's PEL is walked a batch per
+        call, from where the last call stopped (kept here, not in a key)."""
+        for stream in self.streams:
+            keys = StreamKeys(stream, self.consumer_group_name)
+            next_start, trimmed = await self.scripts.call(
+                client,
+                "drop_trimmed",
+                [stream, keys.started],
+                [
+                    self.consumer_group_name,
+                    self.claim_settings.idle_timeout,
+                    self.claim_settings.batch_size,
+                    self._sweep_from.get(stream, "-"),
+                ],
+            )
+            self._sweep_from[stream] = _text(next_start)
+            self._report_trimmed(stream, [_text(entry_id) for entry_id in trimmed])
 
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and reclaimed ones: reclaimed by the reads
@@ -395,6 +423,11 @@ class ReclaimingListener:
         if reclaiming and time.monotonic() >= next_claim:
             next_claim = time.monotonic() + interval
             await self.before_reads(client)
+            if time.monotonic() >= self._next_sweep:
+                # Rare: trimmed pending entries only come from XDEL, XTRIM
+                # or a producer trimming without ACKED.
+                self._next_sweep = next_claim + self.claim_settings.idle_timeout / 1000
+                await self.drop_trimmed(client)
         batch = await within(
             max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
             self._read_new(client, read_from, next_claim, claim=reclaiming),

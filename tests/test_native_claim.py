@@ -110,6 +110,36 @@ async def test_a_poison_entry_read_back_goes_to_dead_letters(
         await alive.shutdown()
 
 
+async def test_an_entry_deleted_while_pending_is_reported_and_dropped(
+    server: Server, redis: Redis
+) -> None:
+    # CLAIM skips such entries (checked on 8.6.3: no nil, no id, left in the
+    # PEL); the native path's sweep finds them, the Lua claim's XAUTOCLAIM
+    # reports them.
+    alive = await started(server, consumer_name="alive")
+    try:
+        await alive.kick(message("gone"))
+        await alive.kick(message("kept"))
+        gone, _ = await pending_by(redis, "dead", 2)
+        await redis.xdel("taskiq", gone)
+        listener = alive.listen()
+        received = await receive(listener, IDLE_MS / 1000 + 3)
+        assert received is not None
+        assert received.data == b"kept"
+        await received.ack()
+        waiting = asyncio.ensure_future(listener.__anext__())
+        for _ in range(100):
+            if (await redis.xpending("taskiq", "taskiq"))["pending"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert not waiting.done()
+        waiting.cancel()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert alive.metrics.snapshot()["trimmed"] == 1
+    finally:
+        await alive.shutdown()
+
+
 async def test_maxlen_trims_only_acked_entries_where_the_server_can(
     server: Server, redis: Redis
 ) -> None:
@@ -195,7 +225,8 @@ async def test_a_started_count_never_written_on_the_native_path(
     # Reads that reclaimed nothing cost nothing beyond the read itself.
     if not server.info.native_claim:
         pytest.skip(f"{server.info.name} has no XREADGROUP CLAIM (Redis >= 8.4)")
-    broker = await started(server)
+    # idle_timeout beyond the test: no sweep for trimmed entries either.
+    broker = await started(server, idle_timeout=10_000)
     try:
         waiting = asyncio.ensure_future(broker.listen().__anext__())
         await asyncio.sleep(0.5)
