@@ -23,7 +23,6 @@ from taskiq.message import BrokerMessage
 from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.doctor import (
     WORKER_ACL,
     acl_pattern,
@@ -34,7 +33,6 @@ from taskiq_atomic_claim.doctor import (
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
-from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import (
     DRILL_HARNESS,
     DRILL_QUEUES,
@@ -209,17 +207,20 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     version = await version_of(redis)
     await set_user(redis, worker_acl_rule([QUEUE], GROUP, version, reload=False))
     await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
-    settings = ClaimSettings.from_broker_arguments(1000, None, 10, None)
     keys = StreamKeys(QUEUE, GROUP)
     worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
-        await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+        await ScriptRunner().call(
+            worker, "ack", [QUEUE, keys.started], [GROUP, "1-0", 0]
+        )
         await redis.execute_command("SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
             await redis.execute_command("FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
-            await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+            await ScriptRunner().call(
+                worker, "ack", [QUEUE, keys.started], [GROUP, "1-0", 0]
+            )
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)
