@@ -18,7 +18,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     Every ``claim_interval`` ms, whether or not new messages arrive, each
     stream gets one call of the server-side claim script: lease check,
     expiring lease and XAUTOCLAIM in one atomic step, so no worker crash can
-    leave a key that blocks reclaiming.
+    leave a key that blocks reclaiming. On Redis >= 8.4 the reads reclaim
+    (XREADGROUP ... CLAIM) and no claim script runs at all.
     """
 
     def __init__(
