@@ -102,8 +102,9 @@ SUITE_GROUP = "taskiq"
 DRILL_QUEUES = "taskiq-atomic-claim-drill-*"
 # The drill's own harness, beyond what its workers need: it waits for the
 # workers' events with XREAD on "<queue>:drill-events" (inside DRILL_QUEUES)
-# and plants taskiq-redis 1.1.2's lock "autoclaim:taskiq:<queue>".
-DRILL_HARNESS = ("+xread", f"~autoclaim:taskiq:{DRILL_QUEUES}")
+# and plants taskiq-redis 1.1.2's lock "autoclaim:taskiq:<queue>" (SET), and
+# deletes its keys after (DEL): on Redis >= 8.4 the worker rule has neither.
+DRILL_HARNESS = ("+xread", "+set", "+del", f"~autoclaim:taskiq:{DRILL_QUEUES}")
 
 
 def suite_worker_rule(server_version: str) -> list[str]:
