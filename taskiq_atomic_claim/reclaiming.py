@@ -427,7 +427,15 @@ class ReclaimingListener:
                 # Rare: trimmed pending entries only come from XDEL, XTRIM
                 # or a producer trimming without ACKED.
                 self._next_sweep = next_claim + self.claim_settings.idle_timeout / 1000
-                await self.drop_trimmed(client)
+                try:
+                    await self.drop_trimmed(client)
+                except Exception as error:
+                    # Refused (e.g. OOM refuses scripts, not reads) or
+                    # unreachable: the reads go on, or report it themselves.
+                    if not is_outage(error):
+                        raise
+                    logger.debug("Sweep for trimmed entries failed: %s", error)
+                    self._next_sweep = next_claim
         batch = await within(
             max(0.0, next_claim - time.monotonic()) + REPLY_MARGIN_S,
             self._read_new(client, read_from, next_claim, claim=reclaiming),
