@@ -11,6 +11,8 @@
   ARGV[1]  group
   ARGV[2]  entry id
   ARGV[3]  reason
+  ARGV[4]  optional: the count to record as its deliveries (the start
+           count, when it goes for max_deliveries); else the PEL's count
 
   Returns {dead_letter_id} when moved, {} when the entry was already gone
   from the stream (then it is only acked, so it cannot come back).
@@ -22,7 +24,7 @@
 --- @include "move_to_dead_letters"
 
 local stream, dead_letters, started = KEYS[1], KEYS[2], KEYS[3]
-local group, id, reason = ARGV[1], ARGV[2], ARGV[3]
+local group, id, reason, recorded = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
 redis.call("HDEL", started, id)
 local found = redis.call("XRANGE", stream, id, id)
@@ -32,7 +34,9 @@ if #found == 0 then
 end
 local pending = redis.call("XPENDING", stream, group, id, id, 1)
 local deliveries = 0
-if #pending == 1 then
+if recorded then
+  deliveries = recorded
+elseif #pending == 1 then
   deliveries = pending[1][4]
 end
 return {move_to_dead_letters(stream, dead_letters, group, id, found[1][2],

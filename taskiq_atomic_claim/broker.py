@@ -18,7 +18,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     Every ``claim_interval`` ms, whether or not new messages arrive, each
     stream gets one call of the server-side claim script: lease check,
     expiring lease and XAUTOCLAIM in one atomic step, so no worker crash can
-    leave a key that blocks reclaiming.
+    leave a key that blocks reclaiming. On Redis >= 8.4 the reads reclaim
+    (XREADGROUP ... CLAIM) and no claim script runs at all.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         additional_streams: dict[str, str | int] | None = None,
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        delete_acked: bool = False,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its units, plus ``claim_interval``.
@@ -55,6 +57,10 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
             None never gives up.
+        :param delete_acked: acks also delete the entry from the stream once
+            every consumer group acked it (XACKDEL ... ACKED), keeping the
+            stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
+            broker refuses to start.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -71,6 +77,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             additional_streams=additional_streams,
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
+            delete_acked=delete_acked,
         )
         super().__init__(
             url,
@@ -106,8 +113,9 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         await super().startup()
         await self.check_stream_types()
         async with self._connection() as client:
-            # A server that runs no scripts would fail every claim: say so now.
-            await self.scripts.require_scripting(client)
+            # A server that runs no scripts would fail every ack: say so now.
+            self.server = await self.scripts.require_scripting(client)
+        await self.check_server_features()
         await self.check_durability()
 
     async def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from taskiq_atomic_claim.cluster_client import (
     slot_groups,
 )
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import is_outage
@@ -67,6 +68,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         xread_count: int | None = 100,
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        delete_acked: bool = False,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -85,6 +87,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
             None never gives up.
+        :param delete_acked: acks also delete the entry from the stream once
+            every consumer group acked it (XACKDEL ... ACKED), keeping the
+            stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
+            broker refuses to start.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
@@ -103,6 +109,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             additional_streams=additional_streams,
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
+            delete_acked=delete_acked,
         )
         named = [("queue_name", queue_name)]
         named += [("additional_streams key", s) for s in additional_streams or {}]
@@ -175,9 +182,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         return outcomes
 
     def _mark_in_flight(self, fetched: StreamEntries) -> None:
-        for stream, entries in fetched:
-            ids = [_text(entry_id) for entry_id, _ in entries]
-            self.in_flight.add(_text(stream), ids)
+        for stream, entry_id, _, _ in read_entries(fetched):
+            self.in_flight.add(stream, [entry_id])
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, without its ``async with self.redis`` (see
@@ -220,6 +226,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+            return await self.check_durability()
+        await self.check_server_features()
         await self.check_durability()
 
     async def shutdown(self) -> None:

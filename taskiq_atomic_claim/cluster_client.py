@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -170,21 +171,29 @@ class SlotRoutedClient:
         streams: dict[str, str | int],
         count: int | None = None,
         block: int | None = None,
+        claim_min_idle_time: int | None = None,
     ) -> StreamEntries:
-        """XREADGROUP for streams in any slots; replies as RESP2 pairs."""
+        """XREADGROUP for streams in any slots; replies as RESP2 pairs.
+        ``claim_min_idle_time``: XREADGROUP ... CLAIM (Redis >= 8.4)."""
+        read = functools.partial(
+            self._read,
+            groupname=groupname,
+            consumername=consumername,
+            count=count,
+            block=block,
+            claim_min_idle_time=claim_min_idle_time,
+        )
         if self._deferred is not None:
             error, self._deferred = self._deferred, None
             raise error
         groups = slot_groups(streams)
         if len(groups) == 1:
-            return await self._read(groups[0], groupname, consumername, count, block)
+            return await read(groups[0])
         now = time.monotonic()
         for group in groups:
             key = tuple(group)
             if key not in self._reads and self._resting_until.get(key, 0.0) <= now:
-                self._reads[key] = asyncio.create_task(
-                    self._read(group, groupname, consumername, count, block)
-                )
+                self._reads[key] = asyncio.create_task(read(group))
         # block 0 is "forever" to Redis; None does not block at all.
         timeout = None if block in (None, 0) else block / 1000
         if not self._reads:
@@ -251,17 +260,24 @@ class SlotRoutedClient:
         consumername: str,
         count: int | None,
         block: int | None,
+        claim_min_idle_time: int | None,
     ) -> StreamEntries:
         pieces: list[Any] = ["XREADGROUP", "GROUP", groupname, consumername]
+        options: dict[str, Any] = {}
         if count is not None:
             pieces += ["COUNT", count]
         if block is not None:
             pieces += ["BLOCK", block]
+        if claim_min_idle_time is not None:
+            pieces += ["CLAIM", claim_min_idle_time]
+            # Tells redis-py's reply parser to keep each entry's idle time
+            # and delivery count.
+            options["claim_min_idle_time"] = claim_min_idle_time
         pieces += ["STREAMS", *group, *group.values()]
         node = await self.primary_for(next(iter(group)))
         # Bounded: on a half-open connection (socket_timeout None) the read
         # would wait for ever and its slot would never be read again.
-        call = self.cluster.execute_command(*pieces, target_nodes=node)
+        call = self.cluster.execute_command(*pieces, target_nodes=node, **options)
         reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
         fetched = _as_pairs(reply)
         if fetched and self._on_delivered is not None:

@@ -28,6 +28,8 @@ DEAD_LETTER: Operation[list[Any]] = Operation(
 )
 # -1 when the consumer still has pending entries, else XGROUP DELCONSUMER's.
 DELETE_IDLE_CONSUMER: Operation[int] = Operation("delete_idle_consumer", ("stream",))
+# [next start, [dropped id, ...]]: pending entries whose data was gone.
+DROP_TRIMMED: Operation[list[Any]] = Operation("drop_trimmed", ("stream", "started"))
 # The ids the caller no longer owns.
 HAND_BACK: Operation[list[Any]] = Operation("hand_back", ("stream", "started"))
 # How many dead letters moved.
@@ -48,6 +50,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     CLAIM,
     DEAD_LETTER,
     DELETE_IDLE_CONSUMER,
+    DROP_TRIMMED,
     HAND_BACK,
     MIGRATE_DEAD_LETTERS,
     REQUEUE_DEAD_LETTERS,

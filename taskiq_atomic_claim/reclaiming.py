@@ -28,6 +28,7 @@ from taskiq_atomic_claim.heartbeat import Heartbeating
 from taskiq_atomic_claim.in_flight import EntryData, InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.native_reads import NativeReads, read_entries
 from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -37,6 +38,7 @@ from taskiq_atomic_claim.server_calls import (
     within,
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_info import ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import StreamSetup
 
@@ -49,7 +51,7 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
+class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
 
     # Provided by the taskiq-redis parent class.
@@ -60,6 +62,8 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
     block: int
     count: int | None
     mkstream: bool
+    maxlen: int | None
+    approximate: bool
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
         formatter: TaskiqFormatter
         middlewares: list[TaskiqMiddleware]
@@ -86,6 +90,13 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
             self.metrics,
         )
         self.group_positions = GroupPositions()
+        self._init_native_reads()
+        # What the server can do, once read (startup, or the first read).
+        self.server: ServerInfo | None = None
+        # Where reads reclaim: when drop_trimmed runs next, and where in
+        # each stream's PEL it goes on.
+        self._next_sweep = time.monotonic() + claim_settings.idle_timeout / 1000
+        self._sweep_from: dict[str, str] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
@@ -106,11 +117,11 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
         return [self.queue_name, *self.additional_streams]
 
     async def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        """Yield new messages and, every claim interval, reclaimed ones."""
-        self._track_starts()
-        self._start_heartbeat()
+        """Yield new messages and reclaimed ones: reclaimed by the reads
+        themselves on Redis >= 8.4, else by the claim script every claim
+        interval."""
+        self._begin_listening()
         read_from = {self.queue_name: ">", **self.additional_streams}
-        self._claim_due = dict.fromkeys(self.streams, time.monotonic())
         # After a full claim batch, read new messages before claiming again:
         # they keep flowing while a backlog drains.
         read_turn = False
@@ -129,7 +140,9 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
                     if recreate_group:
                         await self.recreate_groups(client)
                         recreate_group = False
-                    due = self._due_streams()
+                    reads_reclaim = await self._reads_reclaim_on(client)
+                    # Where reads reclaim, no claim call runs at all.
+                    due = [] if reads_reclaim else self._due_streams()
                     if due and not read_turn:
                         claiming = True
                         batch = await within(
@@ -140,11 +153,7 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
                     if not batch:
                         # The read blocks until the next claim at most.
                         read_turn = False
-                        batch = await within(
-                            max(0.0, self._next_claim - time.monotonic())
-                            + REPLY_MARGIN_S,
-                            self._read_new(client, read_from, self._next_claim),
-                        )
+                        batch = await self._read_step(client, read_from, reads_reclaim)
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
                     claim_refused = claim_refused or (claiming and refused)
@@ -206,6 +215,13 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
         await outage.wait(error)
         return False
 
+    def _begin_listening(self) -> None:
+        """What a new listen() (one new connection) starts from."""
+        self._track_starts()
+        self._start_heartbeat()
+        self._claim_due = dict.fromkeys(self.streams, time.monotonic())
+        self._path_chosen = None  # chosen at the connection's first call
+
     def _track_starts(self) -> None:
         """Learn which entry each task comes from and when it starts: wrap
         the formatter and add the middleware (once, on the worker side, after
@@ -215,27 +231,50 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
         if not any(isinstance(m, StartRecorder) for m in self.middlewares):
             self.add_middlewares(StartRecorder(self.in_flight, self._connection))
 
-    async def _read_new(
-        self, client: Any, read_from: dict[str, Any], next_claim: float
+    async def _read_step(
+        self, client: Any, read_from: dict[str, Any], reads_reclaim: bool
     ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """One bounded read: until the next claim at most; where reads
+        reclaim, one claim interval at most, after the rare upkeep."""
+        if reads_reclaim:
+            await self.sweep_if_due(client)
+            until = time.monotonic() + self.claim_settings.claim_interval / 1000
+        else:
+            until = self._next_claim
+        return await within(
+            max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
+            self._read_new(client, read_from, until, claim=reads_reclaim),
+        )
+
+    async def _read_new(
+        self,
+        client: Any,
+        read_from: dict[str, Any],
+        next_claim: float,
+        *,
+        claim: bool = False,
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
+        first, taken over by the read itself."""
         # Never block past the next claim: reclaim must not wait for traffic.
         until = max(1, int((next_claim - time.monotonic()) * 1000))
         block = min(self.block, until) if self.block else until
+        idle = self.claim_settings.idle_timeout
+        extra = {"claim_min_idle_time": idle} if claim else {}
         fetched: Any = await client.xreadgroup(
             self.consumer_group_name,
             self.consumer_name,
             read_from,
             block=block,
             count=self.count,
+            **extra,
         )
-        batch = [
-            (_text(stream), _text(entry_id), fields)
-            for stream, entries in fetched or []
-            for entry_id, fields in entries
-        ]
-        for stream, entry_id, _ in batch:
+        read = read_entries(fetched)
+        for stream, entry_id, _, _ in read:
             self.group_positions.advance(stream, entry_id)
-        return batch
+        if claim:
+            return await self._screen_reclaimed(client, read)
+        return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
 
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
@@ -279,7 +318,11 @@ class ReclaimingListener(Claiming, Heartbeating, StreamSetup):
                     client,
                     ACK,
                     [stream, keys.started],
-                    [self.consumer_group_name, entry_id],
+                    [
+                        self.consumer_group_name,
+                        entry_id,
+                        int(self.claim_settings.delete_acked),
+                    ],
                 )
 
         return ack

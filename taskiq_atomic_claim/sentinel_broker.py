@@ -97,6 +97,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         xread_count: int | None = 100,
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
+        delete_acked: bool = False,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -116,6 +117,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.
             None never gives up.
+        :param delete_acked: acks also delete the entry from the stream once
+            every consumer group acked it (XACKDEL ... ACKED), keeping the
+            stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
+            broker refuses to start.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -132,6 +137,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             additional_streams=additional_streams,
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
+            delete_acked=delete_acked,
         )
         require_name("master_name", master_name)
         super().__init__(
@@ -221,6 +227,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             if not is_outage(error):
                 raise
             logger.warning("Stream keys not checked at start-up: %s", error)
+            return await self.check_durability()
+        await self.check_server_features()
         await self.check_durability()
 
     async def shutdown(self) -> None:

@@ -35,6 +35,10 @@ class ScriptingUnavailableError(RuntimeError):
     """The server runs no scripts for this connection, and nothing else serves."""
 
 
+class AckedDeletionUnavailableError(RuntimeError):
+    """``delete_acked`` was asked of a server without XACKDEL."""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -105,26 +109,37 @@ class ServerInfo:
 
     @property
     def reclaim_path(self) -> str:
-        """The path this release takes on this server.
-
-        The hook for the native path: once XREADGROUP ... CLAIM is built, it
-        serves where ``native_claim`` holds, with or without scripting."""
-        return LUA_CLAIM
+        """The path a broker takes on this server: its reads reclaim where
+        XREADGROUP ... CLAIM exists, the Lua claim script elsewhere."""
+        return NATIVE_CLAIM if self.native_claim else LUA_CLAIM
 
     @property
     def trimming_policy(self) -> str:
-        """What ``maxlen`` trimming does on this server in this release."""
+        """What ``maxlen`` trimming does on this server."""
+        if self.acked_trimming:
+            return "MAXLEN ACKED (trims only entries every group acked)"
         return "MAXLEN (trims pending entries too)"
 
     def require_scripting(self) -> None:
-        """Raise, saying why, when this server runs no scripts for us and the
-        reclaim path needs them."""
-        if self.scripting_problem and self.reclaim_path == LUA_CLAIM:
+        """Raise, saying why, when this server runs no scripts for us."""
+        if self.scripting_problem:
+            # Even where the read reclaims (native CLAIM), acks, start counts
+            # and heartbeats are scripts.
             raise ScriptingUnavailableError(
                 f"{self.name} cannot run this package's scripts:"
-                f" {self.scripting_problem}. The reclaim needs server-side"
-                " scripting (FCALL on Redis/Valkey >= 7, EVALSHA on 6.2):"
-                " enable it for this user, or use a server that allows it"
+                f" {self.scripting_problem}. The broker needs server-side"
+                " scripting (FCALL on Redis/Valkey >= 7, EVALSHA on 6.2) for"
+                " acks, start counts, heartbeats and, before Redis 8.4, the"
+                " reclaim: enable it for this user, or use a server that allows it"
+            )
+
+    def require_acked_deletion(self) -> None:
+        """Raise, naming the server, when it cannot run ``delete_acked``."""
+        if not self.acked_trimming:
+            raise AckedDeletionUnavailableError(
+                f"delete_acked=True needs XACKDEL (Redis >= 8.2), and {self.name}"
+                " has none: leave delete_acked off (bound the stream with maxlen"
+                " instead) or use Redis >= 8.2"
             )
 
     def describe(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ class ClaimSettings:
     lease: int
     # 0: never dead-letter.
     max_deliveries: int = DEFAULT_MAX_DELIVERIES
+    # Acks delete the entry once every group acked it (XACKDEL ... ACKED).
+    delete_acked: bool = False
 
     @classmethod
     def from_broker_arguments(
@@ -170,8 +173,11 @@ def check_broker_arguments(
     additional_streams: object,
     consumer_id: object,
     socket_timeout: object,
+    delete_acked: object = False,
 ) -> ClaimSettings:
     """Every check the brokers share; a ValueError names the parameter."""
+    if not isinstance(delete_acked, bool):
+        raise ValueError(f"delete_acked must be True or False, got {delete_acked!r}")
     settings = ClaimSettings.from_broker_arguments(
         idle_timeout=idle_timeout,
         claim_interval=claim_interval,
@@ -216,7 +222,7 @@ def check_broker_arguments(
                     " stream id such as '0' or '1700000000000-0' (each part"
                     f" <= 2**64-1), as XREADGROUP accepts, got {start!r}"
                 )
-    return settings
+    return dataclasses.replace(settings, delete_acked=delete_acked)
 
 
 def _check_socket_timeout(

@@ -31,11 +31,10 @@ from taskiq_atomic_claim.admin.acl import (
     worker_commands,
     worker_key_patterns,
 )
-from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
-from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import (
     DRILL_HARNESS,
     DRILL_QUEUES,
@@ -213,17 +212,18 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     version = await version_of(redis)
     await set_user(redis, worker_acl_rule([QUEUE], GROUP, version, reload=False))
     await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
-    settings = ClaimSettings.from_broker_arguments(1000, None, 10, None)
     keys = StreamKeys(QUEUE, GROUP)
     worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
-        await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+        await ScriptRunner().call(worker, ACK, [QUEUE, keys.started], [GROUP, "1-0", 0])
         await server_command(redis, "SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
             await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
-            await claim_idle_entries(ScriptRunner(), worker, keys, "w", settings)
+            await ScriptRunner().call(
+                worker, ACK, [QUEUE, keys.started], [GROUP, "1-0", 0]
+            )
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)
@@ -328,7 +328,7 @@ async def test_the_suite_runs_workers_as_the_documented_rule(
         return  # 6.2 describes a command set with categories of its own choice
     assert commands[0] == "-@all"
     assert sorted(commands[1:]) == sorted(
-        [*worker_commands(version), *(r for r in DRILL_HARNESS if r.startswith("+"))]
+        {*worker_commands(version), *(r for r in DRILL_HARNESS if r.startswith("+"))}
     )
 
 

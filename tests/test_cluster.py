@@ -29,6 +29,7 @@ from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
+from taskiq_atomic_claim.server_info import NATIVE_CLAIM
 from tests.test_cli import cli
 from tests.topologies import (
     HOST,
@@ -55,6 +56,7 @@ RECLAIM_BOUND_S = (IDLE_MS + INTERVAL_MS) / 1000 + 2.0
 REDIS_7 = binary_for(7)
 REDIS_62 = binary_for(6)
 VALKEY_8 = binary_for(8, "valkey")
+REDIS_8 = binary_for(8)
 
 
 @pytest.fixture(scope="module")
@@ -556,6 +558,12 @@ def cluster_62() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
+def redis_8_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(need(REDIS_8, "Redis 8"), replicas=0) as started:
+        yield started
+
+
+@pytest.fixture
 def valkey_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(need(VALKEY_8, "Valkey 8")) as started:
         yield started
@@ -636,6 +644,24 @@ async def test_redis_62_cluster_claims_with_cached_scripts(
         LoadMode.SCRIPTS
     )
     assert broker.scripts.reloads >= 1
+
+
+@bounded(90)
+async def test_redis_8_cluster_reclaims_through_its_reads(
+    redis_8_cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    # Every primary has XREADGROUP ... CLAIM: no claim script, no lease or
+    # cursor key on any of them.
+    for node in redis_8_cluster.primaries:
+        with node_client(node) as client:
+            client.config_resetstat()
+    broker = await _reclaim_round(redis_8_cluster, make_broker, "native", flush=False)
+    assert broker.reclaim_path == NATIVE_CLAIM
+    for node in redis_8_cluster.primaries:
+        with node_client(node) as client:
+            assert client.keys("taskiq-atomic-claim:lease:*") == []
+            assert client.keys("taskiq-atomic-claim:cursor:*") == []
+            assert "cmdstat_xautoclaim" not in client.info("commandstats")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY
 from taskiq_atomic_claim.server_info import (
     LUA_CLAIM,
+    NATIVE_CLAIM,
     ScriptingUnavailableError,
     ServerInfo,
     read_server_info,
@@ -116,20 +117,23 @@ async def test_check_inspect_and_doctor_name_the_server_and_paths(
     server: Server, redis: Redis
 ) -> None:
     name = expected_name(server)
+    product, version = name.split(" ")
+    release = tuple(map(int, version.split(".")))
+    native = product == "Redis" and release >= (8, 4)
+    path = NATIVE_CLAIM if native else LUA_CLAIM
+    acked = product == "Redis" and release >= (8, 2)
+    trimming = "MAXLEN ACKED" if acked else "MAXLEN (trims pending entries too)"
     await redis.xgroup_create("jobs", "workers", id="0", mkstream=True)
     check = cli("check", "--url", server.url)
-    assert f"{name}: reclaim via {LUA_CLAIM}" in check.stdout
-    assert "trimming MAXLEN" in check.stdout
+    assert f"{name}: reclaim via {path}, trimming {trimming}" in check.stdout
     inspect = cli("inspect", "--url", server.url)
-    assert inspect.stdout.startswith(f"{name}: reclaim via {LUA_CLAIM}")
+    assert inspect.stdout.startswith(f"{name}: reclaim via {path}")
     data = json.loads(cli("inspect", "--url", server.url, "--json").stdout)
     assert data["server"]["name"] == name
-    assert data["server"]["reclaim_path"] == LUA_CLAIM
-    product, version = name.split(" ")
-    native = product == "Redis" and tuple(map(int, version.split("."))) >= (8, 4)
+    assert data["server"]["reclaim_path"] == path
     assert data["server"]["native_claim"] is native
     doctor = cli("doctor", "--url", server.url)
-    assert f"checked on {name}: reclaim via {LUA_CLAIM}" in doctor.stdout
+    assert f"checked on {name}: reclaim via {path}" in doctor.stdout
 
 
 async def test_fixes_work_when_the_version_is_unknown(

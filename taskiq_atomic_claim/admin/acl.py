@@ -34,6 +34,8 @@ RESULT_BACKEND_COMMANDS = (
     ("exists", "result backend: is_result_ready"),
     ("getdel", "result backend: get_result with keep_results=False"),
 )
+# Only lua/claim.lua issues these (XAUTOCLAIM; the lease and cursor keys).
+CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
 # redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
@@ -61,7 +63,10 @@ Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
     +hincrby +hmget +hdel
-  and, to call the library and reload it when lost (restart, flush, failover):
+  except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
+  +del +pttl (with additional_streams read from explicit ids the claim
+  script still runs: keep the full list). delete_acked=True adds +xackdel.
+  And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
   and, optional, so redis-py's connect is not logged as refused in ACL LOG:
@@ -122,6 +127,11 @@ def worker_commands(
     major, minor = _version(server_version)
     calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
     names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
+    if (major, minor) >= (8, 4):
+        # The read reclaims (XREADGROUP ... CLAIM): no claim script runs;
+        # a result backend still GETs and SETs.
+        unused = CLAIM_ONLY_COMMANDS - ({"get", "set"} if result_backend else set())
+        names = [name for name in names if name not in unused]
     if reload:
         names.append(calls[1][0])
     if result_backend:

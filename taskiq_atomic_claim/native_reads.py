@@ -1,0 +1,264 @@
+"""Reclaiming through the reads on Redis >= 8.4 (``XREADGROUP ... CLAIM``),
+and the server features an atomic broker adapts to (``ReclaimingListener``
+mixes this in).
+
+Where reads reclaim, no claim script, lease or cursor key is used: the read
+takes idle pending entries (longest idle first) before new ones. What the
+Lua claim also did is done here: entries whose task started
+``max_deliveries`` times in workers that died go to the dead letters, and a
+rare sweep drops pending entries whose data was deleted (CLAIM skips them).
+On Redis >= 8.2 ``maxlen`` trims with ``ACKED``, never a pending entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.operations import DROP_TRIMMED
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_info import LUA_CLAIM, NATIVE_CLAIM, ServerInfo
+from taskiq_atomic_claim.settings import ClaimSettings
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+_DATA_FIELD = b"data"
+_MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class NativeReads:
+    """Which reclaim path a consumer takes, and the native path's upkeep."""
+
+    consumer_name: str
+    consumer_group_name: str
+    additional_streams: dict[str, str | int]
+    maxlen: int | None
+    approximate: bool
+    queue_name: str
+    claim_settings: ClaimSettings
+    scripts: ScriptRunner
+    metrics: ReclaimMetrics
+    # What the server can do, once read (startup, or the first read).
+    server: ServerInfo | None
+    # Where reads reclaim: when drop_trimmed runs next, and where in each
+    # stream's PEL it goes on.
+    _next_sweep: float
+    _sweep_from: dict[str, str]
+    # Whether this connection's reads reclaim; None until chosen.
+    _path_chosen: bool | None
+
+    @property
+    def streams(self) -> list[str]:
+        raise NotImplementedError
+
+    def _connection(self) -> Any:
+        raise NotImplementedError
+
+    def _init_native_reads(self) -> None:
+        self.server = None
+        self._next_sweep = time.monotonic() + self.claim_settings.idle_timeout / 1000
+        self._sweep_from = {}
+        self._path_chosen = None
+
+    async def learn_server(self, client: Any) -> ServerInfo:
+        """What the server is and can do; INFO once per runner."""
+        self.server = await self.scripts.server(client)
+        return self.server
+
+    def _reads_reclaim(self, server: ServerInfo) -> bool:
+        """Whether reads reclaim (XREADGROUP ... CLAIM). The server ignores
+        CLAIM for a stream read from an explicit id, so every stream must be
+        read from ``>``; else the Lua claim serves them all."""
+        return server.native_claim and all(
+            start == ">" for start in self.additional_streams.values()
+        )
+
+    @property
+    def reclaim_path(self) -> str:
+        """What reclaims here: the read itself or the Lua claim script."""
+        native = self.server is not None and self._reads_reclaim(self.server)
+        return NATIVE_CLAIM if native else LUA_CLAIM
+
+    @property
+    def trimming_policy(self) -> str:
+        """What bounds the streams here (maxlen trimming, acks deleting)."""
+        server = self.server or ServerInfo("Redis", "unknown")
+        policy = server.trimming_policy
+        if self.claim_settings.delete_acked:
+            policy += "; XACKDEL ACKED on ack"
+        return policy
+
+    async def check_server_features(self) -> None:
+        """Startup: refuse, naming the server, what it cannot do."""
+        if not self.claim_settings.delete_acked:
+            return
+        async with self._connection() as client:
+            server = await self.learn_server(client)
+        server.require_acked_deletion()
+
+    async def kick(self, message: BrokerMessage) -> None:
+        """As the parent; with ``maxlen`` on Redis >= 8.2 the trimming is
+        ``ACKED``, so it never drops an entry a group has not acked."""
+        if self.maxlen is None:
+            await super().kick(message)  # type: ignore[misc]
+            return
+        queue_name = message.labels.get("queue_name") or self.queue_name
+        trim: list[Any] = ["MAXLEN", "~" if self.approximate else "=", self.maxlen]
+        async with self._connection() as client:
+            if (await self.learn_server(client)).acked_trimming:
+                trim.append("ACKED")
+            await client.execute_command(
+                "XADD", queue_name, *trim, "*", _DATA_FIELD, message.message
+            )
+
+    def _report_trimmed(self, stream: str, trimmed: list[str]) -> None:
+        self.metrics.add("trimmed", stream, len(trimmed))
+        if trimmed:
+            logger.warning(
+                "%d pending entries of stream %r were trimmed before anyone acked"
+                " them; their tasks are lost: %s",
+                len(trimmed),
+                stream,
+                ", ".join(trimmed),
+            )
+
+    async def drop_trimmed(self, client: Any) -> None:
+        """Where reads reclaim: remove from the PEL entries deleted from the
+        stream while pending (CLAIM skips them, so nothing else would), and
+        report them as the claim does. Each stream's PEL is walked a batch per
+        call, from where the last call stopped (kept here, not in a key)."""
+        for stream in self.streams:
+            keys = StreamKeys(stream, self.consumer_group_name)
+            next_start, trimmed = await self.scripts.call(
+                client,
+                DROP_TRIMMED,
+                [stream, keys.started],
+                [
+                    self.consumer_group_name,
+                    self.claim_settings.idle_timeout,
+                    self.claim_settings.batch_size,
+                    self._sweep_from.get(stream, "-"),
+                ],
+            )
+            self._sweep_from[stream] = _text(next_start)
+            self._report_trimmed(stream, [_text(entry_id) for entry_id in trimmed])
+
+    async def sweep_if_due(self, client: Any) -> None:
+        """At most once per idle_timeout where reads reclaim."""
+        if time.monotonic() < self._next_sweep:
+            return
+        # Rare: trimmed pending entries only come from XDEL, XTRIM or a
+        # producer trimming without ACKED.
+        self._next_sweep = time.monotonic() + self.claim_settings.idle_timeout / 1000
+        try:
+            await self.drop_trimmed(client)
+        except Exception as error:
+            # Refused (e.g. OOM refuses scripts, not reads) or unreachable:
+            # the reads go on, or report it themselves.
+            if not is_outage(error):
+                raise
+            logger.debug("Sweep for trimmed entries failed: %s", error)
+            self._next_sweep = time.monotonic()
+
+    async def _reads_reclaim_on(self, client: Any) -> bool:
+        """Whether reads reclaim on this connection: chosen once, at its
+        first call that works."""
+        if self._path_chosen is None:
+            self._path_chosen = await self._choose_path(client)
+        return self._path_chosen
+
+    async def _choose_path(self, client: Any) -> bool:
+        """Whether this connection's reads reclaim; logged once."""
+        server = await self.learn_server(client)
+        logger.info(
+            "Consumer %s on %s reclaims via %s",
+            self.consumer_name,
+            server.name,
+            self.reclaim_path,
+        )
+        return self._reads_reclaim(server)
+
+    async def _screen_reclaimed(
+        self, client: Any, read: list[tuple[str, str, dict[Any, Any], bool]]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """What a claiming read returned, minus the reclaimed entries whose
+        task started max_deliveries times in workers that died (moved to
+        dead letters, as the Lua claim does): one HMGET per stream that had
+        reclaimed entries."""
+        reclaimed: dict[str, list[str]] = {}
+        for stream, entry_id, _, maybe_reclaimed in read:
+            if maybe_reclaimed:
+                reclaimed.setdefault(stream, []).append(entry_id)
+        poisoned: set[tuple[str, str]] = set()
+        max_deliveries = self.claim_settings.max_deliveries
+        for stream, ids in reclaimed.items():
+            self.metrics.add("claimed", stream, len(ids))
+            logger.debug("Reclaimed %d idle entries from stream %r", len(ids), stream)
+            if not max_deliveries:
+                continue
+            keys = StreamKeys(stream, self.consumer_group_name)
+            counts = await client.execute_command("HMGET", keys.started, *ids)
+            for entry_id, count in zip(ids, counts, strict=True):
+                if count is not None and int(count) >= max_deliveries:
+                    # Recorded as the Lua claim does: the crashes that counted.
+                    await move_to_dead_letters(
+                        self.scripts,
+                        client,
+                        keys,
+                        entry_id,
+                        _MAX_DELIVERIES_EXCEEDED,
+                        deliveries=int(count),
+                    )
+                    poisoned.add((stream, entry_id))
+                    self.metrics.add("dead_lettered", stream)
+                    logger.error(
+                        "Entry %s of stream %r started %d times in workers that"
+                        " died running it and was moved to dead letters %r",
+                        entry_id,
+                        stream,
+                        max_deliveries,
+                        keys.dead_letters,
+                    )
+        return [
+            (stream, entry_id, fields)
+            for stream, entry_id, fields, _ in read
+            if (stream, entry_id) not in poisoned
+        ]
+
+
+def read_entries(fetched: Any) -> list[tuple[str, str, dict[Any, Any], bool]]:
+    """An XREADGROUP reply as (stream, id, fields, maybe reclaimed), whatever
+    its shape: RESP2 pairs or a RESP3 map (which redis-py wraps in one more
+    list), entries of (id, fields) or, read with CLAIM, (id, fields, idle ms,
+    delivery count), where new entries carry 0, 0. An entry without those
+    two (a redis-py that drops them) counts as maybe reclaimed."""
+    pairs = fetched.items() if isinstance(fetched, dict) else fetched or []
+    read = []
+    for stream, listed in pairs:
+        entries = listed
+        if listed and isinstance(listed[0], list) and _is_entry_list(listed[0]):
+            entries = listed[0]
+        for entry in entries:
+            fields = entry[1] if len(entry) > 1 else None
+            if not isinstance(fields, dict):
+                flat = list(fields or [])
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            reclaimed = len(entry) < 4 or int(entry[2]) > 0 or int(entry[3]) > 0
+            read.append((_text(stream), _text(entry[0]), fields, reclaimed))
+    return read
+
+
+def _is_entry_list(value: list[Any]) -> bool:
+    """A list of entries (each a list or tuple), not one entry (id first)."""
+    return not value or isinstance(value[0], list | tuple)

@@ -1,0 +1,247 @@
+"""Redis >= 8.4 reclaims through the read (XREADGROUP ... CLAIM); Redis >= 8.2
+trims and deletes only what every group acked. Each test runs on every suite
+server: where the server lacks the command it asserts the fallback instead."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from taskiq.utils import maybe_awaitable
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
+from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.server_info import (
+    LUA_CLAIM,
+    NATIVE_CLAIM,
+    AckedDeletionUnavailableError,
+)
+from tests.conftest import Server
+from tests.test_broker import die, message, receive
+
+# On Redis 8.6 test_reliability's heartbeat test covers the native path: a
+# live worker's long task is not reclaimed by a rival's claiming reads.
+from tests.test_reliability import IDLE_MS, started
+
+INTERVAL_MS = 100
+KEYS = StreamKeys("taskiq", "taskiq")
+
+
+async def command_calls(redis: Redis, name: str) -> int:
+    """Calls of ``name`` since CONFIG RESETSTAT, scripts' calls included."""
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+async def coordination_keys(redis: Redis) -> list[bytes]:
+    return [key async for key in redis.scan_iter(f"{PREFIX}:lease:*")] + [
+        key async for key in redis.scan_iter(f"{PREFIX}:cursor:*")
+    ]
+
+
+async def pending_by(redis: Redis, consumer: str, count: int) -> list[str]:
+    """``count`` new entries read by ``consumer``, which then dies at once."""
+    fetched: Any = await redis.xreadgroup(
+        "taskiq", consumer, {"taskiq": ">"}, count=count
+    )
+    return [entry_id.decode() for entry_id, _ in fetched[0][1]] if fetched else []
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_dead_consumers_entry_comes_back_through_the_read(
+    server: Server, redis: Redis, protocol: int
+) -> None:
+    # RESP3 replies have another shape (a map, entries wrapped once more).
+    native = server.info.native_claim
+    dead = await started(server, consumer_name="dead", protocol=protocol)
+    alive = await started(server, consumer_name="alive", protocol=protocol)
+    try:
+        await redis.config_resetstat()
+        await dead.kick(message("orphan"))
+        dead_listener = dead.listen()
+        assert await receive(dead_listener, 2) is not None
+        await die(dead, dead_listener)
+
+        reclaimed = await receive(alive.listen(), IDLE_MS / 1000 + 3)
+        assert reclaimed is not None
+        assert reclaimed.data == b"orphan"
+        assert alive.metrics.snapshot()["claimed"] == 1
+        await maybe_awaitable(reclaimed.ack())
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        xautoclaims = await command_calls(redis, "xautoclaim")
+        if native:
+            assert alive.reclaim_path == NATIVE_CLAIM
+            assert xautoclaims == 0, "the read reclaims: no claim script runs"
+            assert await coordination_keys(redis) == [], "no lease, no cursor"
+        else:
+            # Redis < 8.4 and Valkey have no CLAIM: the Lua claim serves.
+            assert alive.reclaim_path == LUA_CLAIM
+            assert xautoclaims > 0
+    finally:
+        await dead.shutdown()
+        await alive.shutdown()
+
+
+async def test_a_poison_entry_read_back_goes_to_dead_letters(
+    server: Server, redis: Redis
+) -> None:
+    alive = await started(server, consumer_name="alive", max_deliveries=2)
+    try:
+        await alive.kick(message("poison"))
+        await alive.kick(message("innocent"))
+        poison, innocent = await pending_by(redis, "dead", 2)
+        # The poison's task started twice in workers that died; the
+        # innocent one was read many times and never started.
+        await redis.hset(KEYS.started, poison, 2)
+        await redis.pexpire(KEYS.started, 60_000)
+        for _ in range(5):
+            await redis.xclaim("taskiq", "taskiq", "dead", 0, [innocent])
+
+        listener = alive.listen()
+        delivered = await receive(listener, IDLE_MS / 1000 + 3)
+        assert delivered is not None
+        assert delivered.data == b"innocent"
+        await maybe_awaitable(delivered.ack())
+        assert await receive(listener, IDLE_MS / 1000) is None
+        [dead_letter] = await list_dead_letters(redis, KEYS)
+        assert dead_letter.original_id == poison
+        assert dead_letter.reason == "max_deliveries exceeded"
+        assert dead_letter.deliveries == 2, "the crashes that counted"
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert await redis.hget(KEYS.started, poison) is None
+    finally:
+        await alive.shutdown()
+
+
+async def test_an_entry_deleted_while_pending_is_reported_and_dropped(
+    server: Server, redis: Redis
+) -> None:
+    # CLAIM skips such entries (checked on 8.6.3: no nil, no id, left in the
+    # PEL); the native path's sweep finds them, the Lua claim's XAUTOCLAIM
+    # reports them.
+    alive = await started(server, consumer_name="alive")
+    try:
+        await alive.kick(message("gone"))
+        await alive.kick(message("kept"))
+        gone, _ = await pending_by(redis, "dead", 2)
+        await redis.xdel("taskiq", gone)
+        listener = alive.listen()
+        received = await receive(listener, IDLE_MS / 1000 + 3)
+        assert received is not None
+        assert received.data == b"kept"
+        await maybe_awaitable(received.ack())
+        waiting = asyncio.ensure_future(listener.__anext__())
+        for _ in range(100):
+            if (await redis.xpending("taskiq", "taskiq"))["pending"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert not waiting.done()
+        waiting.cancel()
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert alive.metrics.snapshot()["trimmed"] == 1
+    finally:
+        await alive.shutdown()
+
+
+async def test_maxlen_trims_only_acked_entries_where_the_server_can(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server, maxlen=2, approximate=False)
+    try:
+        await broker.kick(message("unacked"))
+        [unacked] = await pending_by(redis, "busy", 1)
+        for number in range(4):
+            await broker.kick(message(f"m{number}"))
+        kept = await redis.xrange("taskiq", unacked, unacked)
+        if server.info.acked_trimming:
+            # Redis >= 8.2 (XADD ... ACKED): nothing pending or unread goes.
+            assert kept, "a pending entry was trimmed"
+            assert await redis.xlen("taskiq") == 5
+            assert broker.trimming_policy.startswith("MAXLEN ACKED")
+        else:
+            # Documented: older servers and Valkey trim pending entries too.
+            assert not kept
+            assert await redis.xlen("taskiq") == 2
+            assert broker.trimming_policy.startswith("MAXLEN (trims")
+    finally:
+        await broker.shutdown()
+
+
+async def test_delete_acked_removes_acked_entries_or_is_refused(
+    server: Server, redis: Redis
+) -> None:
+    broker = AtomicRedisStreamBroker(
+        server.url, idle_timeout=IDLE_MS, claim_interval=INTERVAL_MS, delete_acked=True
+    )
+    if not server.info.acked_trimming:
+        with pytest.raises(AckedDeletionUnavailableError) as refused:
+            await broker.startup()
+        await broker.shutdown()
+        assert server.info.name in str(refused.value)
+        assert "delete_acked" in str(refused.value)
+        return
+    await broker.startup()
+    try:
+        await broker.kick(message("done"))
+        await broker.kick(message("running"))
+        listener = broker.listen()
+        done = await receive(listener, 2)
+        running = await receive(listener, 2)
+        assert done is not None
+        assert running is not None
+        await maybe_awaitable(done.ack())
+        assert await redis.xlen("taskiq") == 1, "the acked entry is deleted"
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 1
+        assert broker.trimming_policy.endswith("XACKDEL ACKED on ack")
+        await maybe_awaitable(running.ack())
+        assert await redis.xlen("taskiq") == 0
+    finally:
+        await broker.shutdown()
+
+
+async def test_delete_acked_keeps_entries_another_group_still_needs(
+    server: Server, redis: Redis
+) -> None:
+    if not server.info.acked_trimming:
+        pytest.skip(f"{server.info.name} has no XACKDEL (Redis >= 8.2)")
+    broker = await started(server, delete_acked=True)
+    try:
+        await redis.xgroup_create("taskiq", "audit", id="0")
+        await broker.kick(message("shared"))
+        received = await receive(broker.listen(), 2)
+        assert received is not None
+        await maybe_awaitable(received.ack())
+        assert await redis.xlen("taskiq") == 1, "group audit has not read it"
+    finally:
+        await broker.shutdown()
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_delete_acked_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ValueError, match="delete_acked"):
+        AtomicRedisStreamBroker("redis://localhost", delete_acked=value)  # type: ignore[arg-type]
+
+
+async def test_a_started_count_never_written_on_the_native_path(
+    server: Server, redis: Redis
+) -> None:
+    # Reads that reclaimed nothing cost nothing beyond the read itself.
+    if not server.info.native_claim:
+        pytest.skip(f"{server.info.name} has no XREADGROUP CLAIM (Redis >= 8.4)")
+    # idle_timeout beyond the test: no sweep for trimmed entries either.
+    broker = await started(server, idle_timeout=10_000)
+    try:
+        waiting = asyncio.ensure_future(broker.listen().__anext__())
+        await asyncio.sleep(0.5)
+        await redis.config_resetstat()
+        await asyncio.sleep(1.0)
+        assert not waiting.done()
+        waiting.cancel()
+        assert await command_calls(redis, "hmget") == 0
+        assert await command_calls(redis, "fcall") == 0
+        assert await command_calls(redis, "xreadgroup") >= 1
+    finally:
+        await broker.shutdown()
