@@ -251,6 +251,7 @@ class _Producer:
     messages: int
     rate: float
     task_seconds: float
+    backlog: int = 0  # kicked at once first: work queued at the first stops
     accepted_at: dict[str, float] = field(default_factory=dict)
     resent: int = 0
 
@@ -259,6 +260,9 @@ class _Producer:
         for number in range(self.messages):
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             await self._kick(f"m{number}")
+            if number < self.backlog:
+                next_at = time.monotonic()
+                continue
             # Steady: time lost to an outage is not made up in a burst.
             next_at = max(next_at + 1 / self.rate, time.monotonic() - 0.05)
 
@@ -394,6 +398,7 @@ async def run_soak(
     empty_restart: bool = True,
     kill_every: float = 2.0,
     rate: float | None = None,
+    backlog: int = 0,
     idle_timeout: int = 1000,
     claim_interval: int = 200,
     time_limit: float = 600.0,
@@ -403,8 +408,9 @@ async def run_soak(
     """The soak (module doc) against ``server``, restarted in place; the
     workers report to ``events_url``, a server the restarts leave alone.
 
-    The producer spreads the messages over the disruptions unless ``rate``
-    (kicks per second) is given."""
+    The producer kicks ``backlog`` messages at once, then spreads the rest
+    over the disruptions unless ``rate`` (kicks per second) is given."""
+
     report = SoakReport(server.binary.label, messages, workers, kills, graceful)
     report.planned_empty = int(empty_restart)
     report.rate = rate or messages / (max(1, kills + graceful) * kill_every)
@@ -419,7 +425,7 @@ async def run_soak(
         queue_client = Redis.from_url(server.url)
         log = ExecutionLog(drill.events.client, drill.events.stream)
         dead = DeadLetterWatch(queue_client, drill.queue)
-        producer = _Producer(drill, messages, report.rate, report.task_seconds)
+        producer = _Producer(drill, messages, report.rate, report.task_seconds, backlog)
         try:
             with running_workers() as processes:
                 chaos = _Chaos(drill, server, queue_client, dead, report, processes)
@@ -590,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", type=float, help="kicks per second (default: spread over the run)"
     )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        help="messages kicked at once before the steady rate",
+    )
     parser.add_argument("--time-limit", type=float, default=1200.0)
     parser.add_argument("--server", help="server label, e.g. redis-7.0.15")
     args = parser.parse_args(argv)
@@ -619,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                 empty_restart=not args.no_empty_restart,
                 kill_every=args.kill_every,
                 rate=args.rate,
+                backlog=args.backlog,
                 time_limit=args.time_limit,
                 progress=lambda line: print(line, flush=True),
             )

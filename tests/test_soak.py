@@ -47,6 +47,7 @@ def test_short_soak_loses_nothing(label: str, tmp_path: Path) -> None:
         label,
         tmp_path,
         messages=2000,
+        backlog=500,  # queued work at the first stops and the AOF restart
         kills=5,
         graceful=3,
         kill_every=2.5,
