@@ -26,6 +26,7 @@ from taskiq_atomic_claim.cluster_client import (
     StreamEntries,
     slot_groups,
 )
+from taskiq_atomic_claim.group_recovery import first_position
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
@@ -195,7 +196,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                 await self.redis.xgroup_create(
                     stream,
                     self.consumer_group_name,
-                    id=self.consumer_id,
+                    id=await first_position(self.redis, stream, self.consumer_id),
                     mkstream=self.mkstream,
                 )
             except ResponseError as error:  # BUSYGROUP, mostly

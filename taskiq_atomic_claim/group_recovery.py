@@ -113,3 +113,22 @@ async def recreate_group(
             return None
         raise
     return start
+
+
+async def first_position(client: Any, stream: str, consumer_id: str) -> str:
+    """Where a worker starting up creates a group that does not exist.
+
+    ``consumer_id`` (taskiq-redis's ``$`` by default: only new entries),
+    unless nobody ever consumed the stream: no group at all, so every entry
+    in it is an accepted task no worker has seen yet (producers kicked before
+    the first worker started, or after an empty restart wiped the groups
+    with everything else). Then ``0``: they are delivered, not skipped. A
+    stream another group reads keeps ``consumer_id``.
+    """
+    if consumer_id != "$":
+        return consumer_id
+    try:
+        groups = _groups(await client.execute_command("XINFO", "GROUPS", stream))
+    except ResponseError:  # no such key: "$" and "0" are the same
+        return "0"
+    return consumer_id if groups else "0"

@@ -178,16 +178,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         # group it finds missing.
         try:
             async with self._connection() as client:
-                for stream in self.streams:
-                    try:
-                        await client.xgroup_create(
-                            stream,
-                            self.consumer_group_name,
-                            id=self.consumer_id,
-                            mkstream=self.mkstream,
-                        )
-                    except ResponseError as error:  # BUSYGROUP, mostly
-                        logger.debug("%s", error)
+                await self.declare_groups(client)
         except UNREACHABLE as error:
             logger.warning(
                 "Consumer group %r not created yet: %s", self.consumer_group_name, error

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.durability import warn_about_durability
-from taskiq_atomic_claim.group_recovery import GroupPositions, recreate_group
+from taskiq_atomic_claim.group_recovery import (
+    GroupPositions,
+    first_position,
+    recreate_group,
+)
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -31,6 +35,7 @@ class StreamSetup:
 
     queue_name: str
     consumer_group_name: str
+    consumer_id: str
     mkstream: bool
     group_positions: GroupPositions
     if TYPE_CHECKING:
@@ -50,6 +55,22 @@ class StreamSetup:
                         f"key {stream!r} holds a {kind}, not a stream: pick another"
                         " queue_name / additional_streams key or remove that key"
                     )
+
+    async def _declare_consumer_group(self) -> None:
+        """Startup: create the group where missing, as the parent does, but
+        never after accepted tasks no worker has seen (``first_position``)."""
+        async with self._connection() as client:
+            await self.declare_groups(client)
+
+    async def declare_groups(self, client: Any) -> None:
+        for stream in self.streams:
+            start = await first_position(client, stream, self.consumer_id)
+            try:
+                await client.xgroup_create(
+                    stream, self.consumer_group_name, id=start, mkstream=self.mkstream
+                )
+            except ResponseError as error:  # BUSYGROUP, mostly
+                logger.debug("%s", error)
 
     async def recreate_groups(self, client: Any) -> None:
         """Re-create the consumer group on every stream that lost it, never

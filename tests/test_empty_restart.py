@@ -28,7 +28,7 @@ from taskiq.exceptions import SendTaskError
 from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker, AtomicRedisStreamClusterBroker
-from taskiq_atomic_claim.group_recovery import recreate_group
+from taskiq_atomic_claim.group_recovery import first_position, recreate_group
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from tests.conftest import Server, server_command
@@ -310,3 +310,18 @@ async def test_a_cluster_worker_checks_every_primary(
     assert evicting == [evicting[0]] and f":{port}" in evicting[0], logged
     unsaved = [line for line in logged if "neither AOF nor RDB" in line]
     assert len(unsaved) == len(cluster.primaries), logged
+
+
+async def test_a_new_group_beside_another_groups_starts_at_new_entries(
+    redis: Redis,
+) -> None:
+    # A stream another group reads holds history that group consumed: a new
+    # group keeps taskiq-redis's "$" and does not replay it. A stream no group
+    # ever read holds only tasks nobody has seen: those are delivered.
+    await redis.xadd("shared", {"data": b"old"})
+    await redis.xgroup_create("shared", "other-app", id="0")
+    await redis.xadd("fresh", {"data": b"kicked-before-any-worker"})
+    assert await first_position(redis, "shared", "$") == "$"
+    assert await first_position(redis, "fresh", "$") == "0"
+    assert await first_position(redis, "absent", "$") == "0"
+    assert await first_position(redis, "fresh", "5-0") == "5-0"

@@ -202,6 +202,7 @@ class Drill:
     kicker_broker: AsyncBroker
     give_up_after: float
     log_dir: Path
+    events_url: str = ""  # where workers report; the queue's server if empty
 
     def worker(self, name: str, *extra_args: str) -> Worker:
         env = {
@@ -212,6 +213,7 @@ class Drill:
             "TAC_DRILL_CLAIM_INTERVAL": str(self.report.claim_interval),
             "TAC_DRILL_BROKER": self.report.broker,
             "TAC_DRILL_WORKER": name,
+            "TAC_DRILL_EVENTS_URL": self.events_url or self.url,
         }
         return Worker(env, self.log_dir / f"{self.queue}-{name}.log", extra_args)
 
@@ -262,20 +264,26 @@ async def drill_queue(
     broker_kind: str = "atomic",
     log_dir: Path | None = None,
     give_up_after: float = 30.0,
+    events_url: str | None = None,
 ) -> AsyncIterator[Drill]:
-    """A fresh queue for drill workers; its keys are deleted afterwards."""
+    """A fresh queue for drill workers; its keys are deleted afterwards.
+
+    Workers report to ``events_url`` (default: the queue's own server).
+    """
     queue = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
     client = Redis.from_url(url)
+    events_client = Redis.from_url(events_url) if events_url else client
     drill = Drill(
         url=url,
         queue=queue,
         report=DrillReport(url, broker_kind, idle_timeout, claim_interval),
-        events=Events(client, events_stream(queue)),
+        events=Events(events_client, events_stream(queue)),
         kicker_broker=build_broker(
             url, queue, idle_timeout, claim_interval, broker_kind
         ),
         give_up_after=give_up_after,
         log_dir=log_dir or Path(tempfile.gettempdir()),
+        events_url=events_url or "",
     )
     try:
         # The group must exist before the first kick: a worker's startup
@@ -285,11 +293,16 @@ async def drill_queue(
         yield drill
     finally:
         keys = StreamKeys(queue, "taskiq")
+        # The soak restarts the server: pooled connections may be dead.
+        await client.connection_pool.disconnect()
         await client.delete(
             queue, drill.events.stream, keys.lease, keys.cursor, keys.dead_letters
         )
+        await events_client.delete(drill.events.stream)
         await drill.kicker_broker.shutdown()
         await client.aclose()
+        if events_client is not client:
+            await events_client.aclose()
 
 
 async def run_drill(

@@ -99,4 +99,7 @@ broker = build_broker(
     # server what a worker it killed still had pending.
     consumer_name=_WORKER,
 )
-add_drill_task(broker, Redis.from_url(_URL), _QUEUE, _WORKER)
+# Reports may go to another server (the soak's), which survives the queue
+# server's empty restart.
+_EVENTS_URL = os.environ.get("TAC_DRILL_EVENTS_URL", _URL)
+add_drill_task(broker, Redis.from_url(_EVENTS_URL), _QUEUE, _WORKER)

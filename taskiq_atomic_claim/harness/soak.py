@@ -1,28 +1,36 @@
-"""Chaos soak: many messages, real workers SIGKILLed and replaced, a server restart.
+"""Chaos soak: a live producer, real workers killed, stopped and replaced,
+the server restarted with and without its data.
 
-``python -m taskiq_atomic_claim.harness.soak --messages 10000 --kills 50`` starts a
-Redis with an fsync-always append-only file (so the restart loses nothing
-that was acknowledged by the server), runs ``--workers`` real ``taskiq
-worker`` processes, kills one every ``--kill-every`` seconds and starts a
-replacement, restarts the server once half way, and checks at the end that
-every message ran to completion at least once and nothing is left pending.
+``python -m taskiq_atomic_claim.harness.soak --messages 10000 --kills 30 --graceful 10``
+starts a server with an fsync-always append-only file and a second server
+for the workers' execution log, runs ``--workers`` real ``taskiq worker``
+processes and a producer kicking ``--messages`` tasks at a steady rate.
+Every ``--kill-every`` seconds one worker is SIGKILLed (a crash) or sent
+SIGTERM (a rolling deploy) and replaced. When a third of the messages is
+accepted the server restarts from its AOF (it loses nothing it acknowledged);
+at two thirds it restarts EMPTY (files removed: whatever was in its memory is
+gone) while the producer keeps kicking.
 
-Duplicates are allowed only up to what the killed workers had in flight
-(pending to them at the moment of the kill): at-least-once, not more.
+What an empty restart loses by nature: every task accepted before it that
+had not finished — queued, prefetched, or running and cut short — together
+with the pending lists and dead letters. Tasks already running finish. The
+soak counts those as "lost with the server's data" only when they are
+provably gone (absent from the stream afterwards); every other accepted task
+must run: "lost by us" is 0. Dead letters must all be tasks that started
+(never one that never ran), nothing is left pending, and duplicates stay
+within what the stopped workers had in flight (at-least-once, not more).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import contextlib
 import sys
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -30,8 +38,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq.exceptions import SendTaskError
 
 from taskiq_atomic_claim.harness.drill import (
-    Drill,
-    Worker,
     drill_queue,
     running_workers,
 )
@@ -40,216 +46,207 @@ from taskiq_atomic_claim.harness.embedded_server import (
     ServerBinary,
     find_binaries,
 )
+from taskiq_atomic_claim.harness.soak_accounting import (
+    DeadLetterWatch,
+    ExecutionLog,
+    SoakReport,
+    _run_ids_in,
+)
+from taskiq_atomic_claim.harness.soak_actors import (
+    CONCURRENCY,
+    _Chaos,
+    _Producer,
+    _retrying,
+)
 
-CONCURRENCY = 20  # --max-async-tasks per worker
+# Workers kept about half busy: kills land on running tasks, and the
+# backlog a stop or a restart leaves is worked off while the producer runs.
+TARGET_BUSY_SHARE = 0.5
+GROUP = "taskiq"
+PAGE = 10_000
 _T = TypeVar("_T")
-
-
-@dataclass
-class SoakReport:
-    server: str
-    messages: int
-    workers: int
-    kills: int = 0
-    server_restarts: int = 0
-    executed_once_or_more: int = 0
-    duplicates: int = 0
-    in_flight_at_kills: int = 0
-    left_pending: int = 0
-    recovery_s: list[float] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.executed_once_or_more == self.messages
-            and self.left_pending == 0
-            and self.duplicates <= self.in_flight_at_kills
-        )
-
-    def lines(self) -> list[str]:
-        recovery = sorted(self.recovery_s)
-        p99 = (
-            recovery[min(len(recovery) - 1, int(len(recovery) * 0.99))]
-            if (recovery)
-            else 0.0
-        )
-        return [
-            f"server {self.server}, {self.workers} workers, {self.elapsed_s:.1f} s",
-            f"messages {self.messages}, executed at least once"
-            f" {self.executed_once_or_more}, left pending {self.left_pending}",
-            f"kills {self.kills}, server restarts {self.server_restarts}",
-            f"duplicates {self.duplicates} (allowed: in flight at the kills"
-            f" {self.in_flight_at_kills})",
-            "recovery after a kill (until the killed worker's entries were"
-            f" reclaimed): median {statistics.median(recovery or [0]):.2f} s,"
-            f" p99 {p99:.2f} s, max {max(recovery or [0]):.2f} s"
-            f" over {len(recovery)} kills",
-            "PASS" if self.ok else "FAIL",
-        ]
-
-
-async def _pending_by_consumer(client: Redis, queue: str) -> dict[str, int]:
-    summary: Any = await client.xpending(queue, "taskiq")
-    return {
-        c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or []
-    }
-
-
-async def _finished_counts(client: Redis, stream: str) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    last = "-"
-    for _ in range(10_000):  # bounded pages of 10k events
-        page: Any = await client.xrange(stream, min=last, count=10_000)
-        if last != "-":
-            page = page[1:]
-        if not page:
-            break
-        for _, fields in page:
-            if fields[b"event"] == b"finished":
-                counts[fields[b"run"].decode()] += 1
-        last = page[-1][0].decode()
-    return counts
-
-
-@dataclass
-class _Chaos:
-    """The soak's moving parts: live workers by slot, kills, recoveries."""
-
-    drill: Drill
-    server: LocalServer
-    report: SoakReport
-    processes: list[Worker]
-    live: dict[int, tuple[str, Worker]] = field(default_factory=dict)
-    recovering: list[tuple[str, float]] = field(default_factory=list)
-    generation: int = 0
-
-    def spawn(self, slot: int) -> str:
-        self.generation += 1
-        name = f"w{slot}-{self.generation}"
-        worker = self.drill.worker(name, "--max-async-tasks", str(CONCURRENCY))
-        self.live[slot] = (name, worker)
-        self.processes.append(worker)
-        return name
-
-    async def pending(self) -> dict[str, int]:
-        client = self.drill.events.client
-        return await _retrying(lambda: _pending_by_consumer(client, self.drill.queue))
-
-    async def kill_one(self) -> None:
-        name, worker = self.live[self.report.kills % self.report.workers]
-        worker.kill()
-        killed_at = time.monotonic()
-        worker.process.wait(timeout=10)
-        self.report.in_flight_at_kills += (await self.pending()).get(name, 0)
-        self.report.kills += 1
-        self.recovering.append((name, killed_at))
-        self.spawn((self.report.kills - 1) % self.report.workers)
-
-    async def restart_server(self) -> None:
-        self.server.stop()
-        self.server.start()
-        self.report.server_restarts += 1
-        await self.drill.events.client.connection_pool.disconnect()
-
-    def note_recoveries(self, pending: dict[str, int]) -> None:
-        now = time.monotonic()
-        for name, killed_at in list(self.recovering):
-            if pending.get(name, 0) == 0:
-                self.report.recovery_s.append(now - killed_at)
-                self.recovering.remove((name, killed_at))
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, SendTaskError)
 
 
 async def run_soak(
     server: LocalServer,
+    events_url: str,
     *,
     messages: int,
     workers: int = 3,
     kills: int = 5,
+    graceful: int = 3,
+    empty_restart: bool = True,
     kill_every: float = 2.0,
+    rate: float | None = None,
+    backlog: int = 0,
     idle_timeout: int = 1000,
     claim_interval: int = 200,
     time_limit: float = 600.0,
     log_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SoakReport:
-    report = SoakReport(server.binary.label, messages, workers)
+    """The soak (module doc) against ``server``, restarted in place; the
+    workers report to ``events_url``, a server the restarts leave alone.
+
+    The producer kicks ``backlog`` messages at once, then spreads the rest
+    over the disruptions unless ``rate`` (kicks per second) is given."""
+
+    report = SoakReport(server.binary.label, messages, workers, kills, graceful)
+    report.planned_empty = int(empty_restart)
+    report.rate = rate or messages / (max(1, kills + graceful) * kill_every)
+    report.task_seconds = min(
+        2.0, TARGET_BUSY_SHARE * workers * CONCURRENCY / report.rate
+    )
     began = time.monotonic()
     deadline = began + time_limit
     async with drill_queue(
-        server.url, idle_timeout, claim_interval, log_dir=log_dir
+        server.url, idle_timeout, claim_interval, log_dir=log_dir, events_url=events_url
     ) as drill:
-        client = drill.events.client
-        with running_workers() as processes:
-            chaos = _Chaos(drill, server, report, processes)
-            for name in [chaos.spawn(slot) for slot in range(workers)]:
-                ready_by = time.monotonic() + 30
-                if await drill.events.wait_for("ready", ready_by, worker=name) is None:
-                    raise RuntimeError(f"soak worker {name} did not start")
-            # Tasks last long enough that the kills land on busy workers.
-            task_seconds = workers * CONCURRENCY * kills * kill_every / messages
-
-            async def kick_all() -> None:
-                for number in range(messages):
-                    run_id = f"m{number}"
-                    await _retrying(lambda: drill.kick(run_id, task_seconds))  # noqa: B023
-
-            kicking = asyncio.create_task(kick_all())
-            next_kill = time.monotonic() + kill_every
-            next_progress = time.monotonic()
-            try:
-                while time.monotonic() < deadline:
-                    if kicking.done() and kicking.exception() is not None:
-                        raise RuntimeError("kicking messages failed") from (
-                            kicking.exception()
-                        )
-                    pending = await chaos.pending()
-                    chaos.note_recoveries(pending)
-                    if report.kills < kills and time.monotonic() >= next_kill:
-                        await chaos.kill_one()
-                        next_kill = time.monotonic() + kill_every
-                        if report.kills == max(1, kills // 2):
-                            await chaos.restart_server()
-                    done = await _retrying(
-                        lambda: _finished_counts(client, drill.events.stream)
-                    )
-                    if progress is not None and time.monotonic() >= next_progress:
-                        next_progress = time.monotonic() + 5
-                        progress(
-                            f"{time.monotonic() - began:6.1f} s: {len(done)}/{messages}"
-                            f" done, {sum(pending.values())} pending,"
-                            f" {report.kills} kills"
-                        )
-                    settled = (
-                        kicking.done()
-                        and report.kills >= kills
-                        and not chaos.recovering
-                        and len(done) >= messages
-                        and not sum(pending.values())
-                    )
-                    if settled:
-                        break
-                    await asyncio.sleep(0.2)
-            finally:
-                kicking.cancel()
-            counts = await _finished_counts(client, drill.events.stream)
-            report.executed_once_or_more = sum(
-                1 for number in range(messages) if counts[f"m{number}"] > 0
-            )
-            report.duplicates = sum(max(0, n - 1) for n in counts.values())
-            report.left_pending = sum((await chaos.pending()).values())
+        queue_client = Redis.from_url(server.url)
+        log = ExecutionLog(drill.events.client, drill.events.stream)
+        dead = DeadLetterWatch(queue_client, drill.queue)
+        producer = _Producer(drill, messages, report.rate, report.task_seconds, backlog)
+        try:
+            with running_workers() as processes:
+                chaos = _Chaos(drill, server, queue_client, dead, report, processes)
+                for name in [chaos.spawn(slot) for slot in range(workers)]:
+                    ready_by = time.monotonic() + 30
+                    if (
+                        await drill.events.wait_for("ready", ready_by, worker=name)
+                        is None
+                    ):
+                        raise RuntimeError(f"soak worker {name} did not start")
+                await _chaos_loop(
+                    chaos, producer, log, kill_every, deadline, began, progress
+                )
+                await _settle_report(chaos, producer, log)
+        finally:
+            await queue_client.aclose()
     report.elapsed_s = time.monotonic() - began
     return report
 
 
-async def _retrying(call: Callable[[], Awaitable[_T]], attempts: int = 100) -> _T:
-    """The soak's own reads ride out the server restart it causes."""
-    for _ in range(attempts - 1):
-        try:
-            return await call()
-        except (RedisConnectionError, RedisTimeoutError, OSError, SendTaskError):
-            await asyncio.sleep(0.1)
-    return await call()
+async def _chaos_loop(
+    chaos: _Chaos,
+    producer: _Producer,
+    log: ExecutionLog,
+    kill_every: float,
+    deadline: float,
+    began: float,
+    progress: Callable[[str], None] | None,
+) -> None:
+    report = chaos.report
+    planned = report.planned_kills + report.planned_graceful
+    kicking = asyncio.create_task(producer.run())
+    next_disruption = time.monotonic() + report.task_seconds + 1
+    next_progress = next_settle_check = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            if kicking.done() and kicking.exception() is not None:
+                raise RuntimeError("kicking messages failed") from kicking.exception()
+            pending = await chaos.pending()
+            chaos.note_recoveries(pending)
+            await _retrying(log.read_new)
+            await _retrying(chaos.dead.read_new)
+            if chaos.disruptions < planned and time.monotonic() >= next_disruption:
+                await chaos.disrupt()
+                next_disruption = time.monotonic() + kill_every
+            accepted = len(producer.accepted_at)
+            if report.aof_restarts == 0 and accepted >= report.messages // 3:
+                await chaos.restart_server(empty=False)
+            elif (
+                report.empty_restarts < report.planned_empty
+                and accepted >= 2 * report.messages // 3
+                # A worker starting across an empty restart creates the group
+                # after what the producer wrote since: the open bug that
+                # test_a_worker_started_after_an_empty_restart_skips_nothing
+                # pins. The restart waits for the workers to be up.
+                and log.all_up([name for name, _ in chaos.live.values()])
+            ):
+                await chaos.restart_server(empty=True)
+            if progress is not None and time.monotonic() >= next_progress:
+                next_progress = time.monotonic() + 5
+                progress(
+                    f"{time.monotonic() - began:6.1f} s: accepted {accepted},"
+                    f" finished {len(log.finished)}, {sum(pending.values())}"
+                    f" pending, {report.kills} kills, {report.graceful_restarts}"
+                    f" stops, {report.aof_restarts + report.empty_restarts}"
+                    " server restarts"
+                )
+            quiet = (
+                kicking.done()
+                and chaos.disruptions >= planned
+                and report.aof_restarts >= 1
+                and report.empty_restarts >= report.planned_empty
+                and not chaos.recovering
+                and not sum(pending.values())
+            )
+            if quiet and time.monotonic() >= next_settle_check:
+                next_settle_check = time.monotonic() + 1
+                if not await _outstanding(chaos, producer, log):
+                    break
+            await asyncio.sleep(0.2)
+    finally:
+        kicking.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await kicking
+
+
+async def _outstanding(chaos: _Chaos, producer: _Producer, log: ExecutionLog) -> int:
+    """Accepted messages in the stream that neither finished nor went to
+    dead letters: what waiting can still bring."""
+    present = await _retrying(
+        lambda: _run_ids_in(chaos.queue_client, chaos.drill.queue)
+    )
+    dead = {run for run, _ in chaos.dead.letters}
+    return sum(
+        1
+        for run in producer.accepted_at
+        if run in present and not log.finished[run] and run not in dead
+    )
+
+
+async def _settle_report(chaos: _Chaos, producer: _Producer, log: ExecutionLog) -> None:
+    report = chaos.report
+    await _retrying(log.read_new)
+    await _retrying(chaos.dead.read_new)
+    present = await _retrying(
+        lambda: _run_ids_in(chaos.queue_client, chaos.drill.queue)
+    )
+    report.left_pending = sum((await chaos.pending()).values())
+    report.accepted = len(producer.accepted_at)
+    report.resent_kicks = producer.resent
+    report.duplicates = sum(max(0, n - 1) for n in log.finished.values())
+    report.dead_letters = len(chaos.dead.letters)
+    dead_runs = set()
+    for run, reason in chaos.dead.letters:
+        dead_runs.add(run)
+        if log.started[run]:
+            report.dead_after_crashes += 1
+        else:
+            report.dead_never_started += 1
+            _example(report, f"dead letter {run} never started: {reason}")
+    up_at = chaos.empty_up_at
+    for run, accepted_at in producer.accepted_at.items():
+        before_empty = up_at is not None and accepted_at < up_at
+        report.accepted_before_empty += before_empty
+        report.accepted_after_empty += up_at is not None and not before_empty
+        if log.finished[run]:
+            report.executed += 1
+        elif run in dead_runs:
+            continue
+        elif before_empty and run not in present:
+            report.lost_with_server_data += 1
+        else:
+            report.lost_by_us += 1
+            where = "in the stream" if run in present else "gone from the stream"
+            _example(report, f"lost {run}: started {log.started[run]} times, {where}")
+
+
+def _example(report: SoakReport, line: str) -> None:
+    if len(report.examples) < 10:
+        report.examples.append(line)
 
 
 def durable_server(binary: ServerBinary) -> LocalServer:
@@ -263,8 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--kills", type=int, default=50)
-    parser.add_argument("--kill-every", type=float, default=3.0)
+    parser.add_argument("--kills", type=int, default=30, help="SIGKILLs")
+    parser.add_argument(
+        "--graceful", type=int, default=10, help="SIGTERM stops (rolling deploy)"
+    )
+    parser.add_argument(
+        "--no-empty-restart", action="store_true", help="skip the empty restart"
+    )
+    parser.add_argument(
+        "--kill-every", type=float, default=3.0, help="seconds between disruptions"
+    )
+    parser.add_argument(
+        "--rate", type=float, help="kicks per second (default: spread over the run)"
+    )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        help="messages kicked at once before the steady rate",
+    )
     parser.add_argument("--time-limit", type=float, default=1200.0)
     parser.add_argument("--server", help="server label, e.g. redis-7.0.15")
     args = parser.parse_args(argv)
@@ -273,14 +287,28 @@ def main(argv: list[str] | None = None) -> int:
         print("no server binary found", file=sys.stderr)
         return 2
     label = args.server or max(binaries, key=lambda key: binaries[key].major)
-    with durable_server(binaries[label]) as server:
+    if label not in binaries:
+        print(
+            f"--server {label}: not found; found {', '.join(binaries)}",
+            file=sys.stderr,
+        )
+        return 2
+    with (
+        durable_server(binaries[label]) as server,
+        LocalServer(binaries[label]) as events,
+    ):
         report = asyncio.run(
             run_soak(
                 server,
+                events.url,
                 messages=args.messages,
                 workers=args.workers,
                 kills=args.kills,
+                graceful=args.graceful,
+                empty_restart=not args.no_empty_restart,
                 kill_every=args.kill_every,
+                rate=args.rate,
+                backlog=args.backlog,
                 time_limit=args.time_limit,
                 progress=lambda line: print(line, flush=True),
             )
