@@ -98,8 +98,14 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         assert row["claims_per_s"] > 0
         assert isinstance(row["double_claims"], int)
         assert row["double_claims"] >= 0
-        if row["variant"] == "atomic":
-            # A property of the script, not a timing: one holder per lease.
+        if row["variant"] == "atomic" and row["regime"] != "lease_gt_idle":
+            # A property of the script, not a timing: with a lease no longer
+            # than idle_timeout, two claimers within one lease would be two
+            # within idle_timeout, which XAUTOCLAIM never allows. Where the
+            # lease outlives idle_timeout a full batch takes no lease (every
+            # claimer helps drain a backlog), so entries that idle out again
+            # may go to another claimer: heartbeats, not the lease, keep a
+            # live worker's entries (tests/test_reliability.py).
             assert row["double_claims"] == 0
 
     assert {row["variant"] for row in results["scale"]} == VARIANTS
