@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import ratio
-from benchmarks.variants import VARIANTS
+from benchmarks.variants import CYCLE_VARIANTS, VARIANTS
 
 Row = dict[str, Any]
 
@@ -397,7 +397,7 @@ def render(results: dict[str, Any]) -> str:
     if results.get("claim_cycle"):
         rows = sorted(
             results["claim_cycle"],
-            key=lambda r: (r["rtt_ms"], VARIANTS.index(r["variant"])),
+            key=lambda r: (r["rtt_ms"], CYCLE_VARIANTS.index(r["variant"])),
         )
         parts.append(
             "Claim cycle latency (one cycle claims a batch of "
@@ -669,7 +669,9 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
 
     trips = {r["variant"]: r["round_trips"] for r in results.get("round_trips", [])}
     figure, axis = plt.subplots(figsize=(8, 5), dpi=120)
-    for variant in VARIANTS:
+    for variant in CYCLE_VARIANTS:
+        if variant not in trips:
+            continue
         mine = sorted(
             (r for r in rows if r["variant"] == variant), key=lambda r: r["rtt_ms"]
         )

@@ -1,4 +1,4 @@
-"""The four claim cycles under comparison, each one ``cycle()`` call.
+"""The claim cycles under comparison, each one ``cycle()`` call.
 
 - ``atomic``: the project's claim script, called the way the broker calls it.
 - ``plain_lock``: a redis-py ``Lock`` with a timeout around XAUTOCLAIM:
@@ -7,6 +7,10 @@
 - ``upstream_1_2_4``: the commands taskiq-redis 1.2.4's ``listen()`` sends for
   its claim step (see ``UpstreamClaimer``; ``roundtrips.upstream_fidelity``
   checks them against the real broker under MONITOR).
+- ``native_claim`` (claim-cycle part only, Redis >= 8.4): one
+  ``XREADGROUP ... CLAIM idle COUNT n STREAMS s >``, the read the broker
+  reclaims through on such servers. The benchmark stream has no new entries,
+  so the read returns only idle pending ones.
 
 The cursor-keeping variants keep their XAUTOCLAIM cursor in the client, so
 they scan the PEL the way the script does; upstream starts at 0-0 every time,
@@ -27,10 +31,15 @@ from redis.exceptions import LockNotOwnedError
 from benchmarks.config import BrokerArguments
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_info import read_server_info
 from taskiq_atomic_claim.settings import ClaimSettings
 
 VARIANTS = ("atomic", "plain_lock", "bare_xautoclaim", "upstream_1_2_4")
+NATIVE_CLAIM = "native_claim"
+# Every variant the claim-cycle part may run, in report order.
+CYCLE_VARIANTS = (*VARIANTS, NATIVE_CLAIM)
 
 
 @dataclass(frozen=True)
@@ -224,11 +233,58 @@ class UpstreamClaimer:
         return {}
 
 
+class NativeClaimer:
+    """Redis >= 8.4's reclaiming read: one XREADGROUP ... CLAIM per cycle."""
+
+    name = NATIVE_CLAIM
+
+    def __init__(self, client: Redis, target: Target) -> None:
+        self.client = client
+        self.target = target
+
+    async def prepare(self) -> None:
+        server = await read_server_info(self.client)
+        if not server.native_claim:
+            raise NativeClaimUnavailableError(server.name)
+
+    async def cycle(self) -> CycleResult:
+        settings = self.target.settings
+        reply: Any = await self.client.xreadgroup(
+            self.target.group,
+            self.target.consumer,
+            {self.target.stream: ">"},
+            count=settings.batch_size,
+            claim_min_idle_time=settings.idle_timeout,
+        )
+        return CycleResult(
+            False, [entry_id for _, entry_id, _, _ in read_entries(reply)]
+        )
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class NativeClaimUnavailableError(RuntimeError):
+    """The server has no XREADGROUP ... CLAIM (before Redis 8.4, Valkey)."""
+
+    def __init__(self, server: str) -> None:
+        super().__init__(f"{server} has no XREADGROUP ... CLAIM (Redis >= 8.4)")
+
+
 _CLASSES: dict[
-    str, type[AtomicClaimer | PlainLockClaimer | BareClaimer | UpstreamClaimer]
+    str,
+    type[
+        AtomicClaimer | PlainLockClaimer | BareClaimer | UpstreamClaimer | NativeClaimer
+    ],
 ] = {
     cls.name: cls
-    for cls in (AtomicClaimer, PlainLockClaimer, BareClaimer, UpstreamClaimer)
+    for cls in (
+        AtomicClaimer,
+        PlainLockClaimer,
+        BareClaimer,
+        UpstreamClaimer,
+        NativeClaimer,
+    )
 }
 
 
