@@ -253,7 +253,10 @@ class InFlight:
             task = delivery.task
             assert task is not None
             error = task.exception()
-            if error is None:  # e.g. a manual-ack task that never acked
+            if delivery.unparsable is not None:
+                # taskiq < 0.13 skips what it cannot parse without an ack.
+                reason = delivery.unparsable
+            elif error is None:  # e.g. a manual-ack task that never acked
                 reason = "its task ended without acking it"
             else:
                 reason = bounded_reason(
