@@ -16,7 +16,7 @@ from typing import Any
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_streams
 from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -83,16 +83,8 @@ class Claiming:
         if outcome.skipped:
             self.metrics.add("lease_skips", stream)
         self.metrics.add("claimed", stream, len(outcome.entries))
-        self.metrics.add("trimmed", stream, len(outcome.trimmed))
+        report_trimmed(self.metrics, stream, outcome.trimmed)
         self.metrics.add("dead_lettered", stream, len(outcome.dead_lettered))
-        if outcome.trimmed:
-            logger.warning(
-                "%d pending entries of stream %r were trimmed before anyone acked"
-                " them; their tasks are lost: %s",
-                len(outcome.trimmed),
-                stream,
-                ", ".join(outcome.trimmed),
-            )
         if outcome.dead_lettered:
             logger.error(
                 "%d entries of stream %r started %d times in workers that died"

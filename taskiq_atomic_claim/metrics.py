@@ -10,6 +10,7 @@ nothing else to set up.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 COUNTERS = {
@@ -54,3 +55,17 @@ class ReclaimMetrics:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._counts)
+
+
+def report_trimmed(metrics: ReclaimMetrics, stream: str, trimmed: list[str]) -> None:
+    """Count and log pending entries found deleted from their stream: lost
+    tasks, whichever path (Lua claim or native sweep) found them."""
+    metrics.add("trimmed", stream, len(trimmed))
+    if trimmed:
+        logging.getLogger("taskiq.atomic_claim").warning(
+            "%d pending entries of stream %r were trimmed before anyone acked"
+            " them; their tasks are lost: %s",
+            len(trimmed),
+            stream,
+            ", ".join(trimmed),
+        )

@@ -20,7 +20,7 @@ from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.operations import DROP_TRIMMED
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import is_outage
@@ -122,17 +122,6 @@ class NativeReads:
                 "XADD", queue_name, *trim, "*", _DATA_FIELD, message.message
             )
 
-    def _report_trimmed(self, stream: str, trimmed: list[str]) -> None:
-        self.metrics.add("trimmed", stream, len(trimmed))
-        if trimmed:
-            logger.warning(
-                "%d pending entries of stream %r were trimmed before anyone acked"
-                " them; their tasks are lost: %s",
-                len(trimmed),
-                stream,
-                ", ".join(trimmed),
-            )
-
     async def drop_trimmed(self, client: Any) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the
         stream while pending (CLAIM skips them, so nothing else would), and
@@ -152,7 +141,9 @@ class NativeReads:
                 ],
             )
             self._sweep_from[stream] = _text(next_start)
-            self._report_trimmed(stream, [_text(entry_id) for entry_id in trimmed])
+            report_trimmed(
+                self.metrics, stream, [_text(entry_id) for entry_id in trimmed]
+            )
 
     async def sweep_if_due(self, client: Any) -> None:
         """At most once per idle_timeout where reads reclaim."""
