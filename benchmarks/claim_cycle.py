@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from benchmarks import roundtrips, server_cpu, workload
 from benchmarks.config import CYCLE_ARGUMENTS, REPO_ROOT, Mode
 from benchmarks.netpath import LatencyPath
-from benchmarks.variants import NATIVE_CLAIM, VARIANTS, coordination_keys
+from benchmarks.variants import LUA_FLOOR, NATIVE_CLAIM, VARIANTS, coordination_keys
 from taskiq_atomic_claim.server_info import read_server_info
 
 STREAM, GROUP = "bench-cycle", "bench-group"
@@ -37,12 +37,12 @@ async def _prepare(port: int, pending: int, log: Any) -> tuple[str, ...]:
     finally:
         await client.aclose()
     if server.native_claim:
-        return (*VARIANTS, NATIVE_CLAIM)
+        return (*VARIANTS, LUA_FLOOR, NATIVE_CLAIM)
     log(
         f"claim cycle: {NATIVE_CLAIM} skipped: {server.name} has no"
         " XREADGROUP ... CLAIM (Redis >= 8.4)"
     )
-    return VARIANTS
+    return (*VARIANTS, LUA_FLOOR)
 
 
 def _latency_at(

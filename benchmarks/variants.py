@@ -7,6 +7,10 @@
 - ``upstream_1_2_4``: the commands taskiq-redis 1.2.4's ``listen()`` sends for
   its claim step (see ``UpstreamClaimer``; ``roundtrips.upstream_fidelity``
   checks them against the real broker under MONITOR).
+- ``lua_xautoclaim`` (claim-cycle part only): XAUTOCLAIM inside a script
+  that does nothing else. What any claim script costs before it does any
+  work of its own: the server converts every claimed entry into Lua values
+  and back.
 - ``native_claim`` (claim-cycle part only, Redis >= 8.4): one
   ``XREADGROUP ... CLAIM idle COUNT n STREAMS s >``, the read the broker
   reclaims through on such servers. The benchmark stream has no new entries,
@@ -37,9 +41,10 @@ from taskiq_atomic_claim.server_info import read_server_info
 from taskiq_atomic_claim.settings import ClaimSettings
 
 VARIANTS = ("atomic", "plain_lock", "bare_xautoclaim", "upstream_1_2_4")
+LUA_FLOOR = "lua_xautoclaim"
 NATIVE_CLAIM = "native_claim"
 # Every variant the claim-cycle part may run, in report order.
-CYCLE_VARIANTS = (*VARIANTS, NATIVE_CLAIM)
+CYCLE_VARIANTS = (*VARIANTS, LUA_FLOOR, NATIVE_CLAIM)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,35 @@ class BareClaimer:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+
+class LuaFloorClaimer(BareClaimer):
+    """The bare cycle run by a script that only calls XAUTOCLAIM."""
+
+    name = LUA_FLOOR
+    # KEYS[1] stream; ARGV: group, consumer, min-idle-time, start, count.
+    SCRIPT = (
+        "return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3],"
+        " ARGV[4], 'COUNT', ARGV[5])"
+    )
+
+    async def prepare(self) -> None:
+        self.sha = await self.client.script_load(self.SCRIPT)
+
+    async def cycle(self) -> CycleResult:
+        settings = self.target.settings
+        reply: Any = await self.client.evalsha(
+            self.sha,
+            1,
+            self.target.stream,
+            self.target.group,
+            self.target.consumer,
+            settings.idle_timeout,
+            self.cursor,
+            settings.batch_size,
+        )
+        self.cursor = _text(reply[0])
+        return CycleResult(False, _ids(reply[1]))
 
 
 class PlainLockClaimer(BareClaimer):
@@ -274,7 +308,12 @@ class NativeClaimUnavailableError(RuntimeError):
 _CLASSES: dict[
     str,
     type[
-        AtomicClaimer | PlainLockClaimer | BareClaimer | UpstreamClaimer | NativeClaimer
+        AtomicClaimer
+        | PlainLockClaimer
+        | BareClaimer
+        | LuaFloorClaimer
+        | UpstreamClaimer
+        | NativeClaimer
     ],
 ] = {
     cls.name: cls
@@ -282,6 +321,7 @@ _CLASSES: dict[
         AtomicClaimer,
         PlainLockClaimer,
         BareClaimer,
+        LuaFloorClaimer,
         UpstreamClaimer,
         NativeClaimer,
     )
