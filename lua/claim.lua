@@ -46,6 +46,7 @@
 ]]
 
 --- @include "move_to_dead_letters"
+--- @include "drop_if_data_gone"
 
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, lease_ms, cursor_ttl_ms = ARGV[3], ARGV[4], ARGV[5]
@@ -136,14 +137,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
     end
     local ours = redis.call("XPENDING", stream, group, start, range_end,
       tonumber(count) * 10, consumer)
-    for _, pending in ipairs(ours) do
-      local id = pending[1]
-      if #redis.call("XRANGE", stream, id, id) == 0 then
-        redis.call("XACK", stream, group, id)
-        redis.call("HDEL", started, id)
-        trimmed[#trimmed + 1] = id
-      end
-    end
+    drop_if_data_gone(stream, group, started, ours, trimmed)
   end
 
   -- A full batch means a backlog: leave the lease free so every claimer

@@ -21,20 +21,14 @@
   Invariant: acks only entries whose data is gone; writes no key.
 ]]
 
+--- @include "drop_if_data_gone"
+
 local stream, started = KEYS[1], KEYS[2]
 local group, min_idle_ms, count, start = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
 local pending = redis.call("XPENDING", stream, group, "IDLE", min_idle_ms, start,
   "+", count)
-local dropped = {}
-for _, entry in ipairs(pending) do
-  local id = entry[1]
-  if #redis.call("XRANGE", stream, id, id) == 0 then
-    redis.call("XACK", stream, group, id)
-    redis.call("HDEL", started, id)
-    dropped[#dropped + 1] = id
-  end
-end
+local dropped = drop_if_data_gone(stream, group, started, pending, {})
 
 local next_start = "-"
 if #pending == tonumber(count) then

@@ -11,12 +11,9 @@ from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import CLAIM
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -57,19 +54,19 @@ def _fields(flat: list[Any]) -> dict[bytes, bytes]:
 
 
 def _parse(reply: list[Any]) -> ClaimOutcome:
-    status = _text(reply[0])
+    status = text(reply[0])
     if status == "failed":
-        return ClaimOutcome(skipped=False, error=ResponseError(_text(reply[1])))
+        return ClaimOutcome(skipped=False, error=ResponseError(text(reply[1])))
     if status == "skipped":
         return ClaimOutcome(
-            skipped=True, lease_holder=_text(reply[1]), lease_ttl_ms=int(reply[2])
+            skipped=True, lease_holder=text(reply[1]), lease_ttl_ms=int(reply[2])
         )
     return ClaimOutcome(
         skipped=False,
-        entries=[ClaimedEntry(_text(i), _fields(flat)) for i, flat in reply[2]],
-        trimmed=[_text(entry_id) for entry_id in reply[3]],
-        dead_lettered=[_text(entry_id) for entry_id in reply[4]],
-        next_cursor=_text(reply[1]),
+        entries=[ClaimedEntry(text(i), _fields(flat)) for i, flat in reply[2]],
+        trimmed=[text(entry_id) for entry_id in reply[3]],
+        dead_lettered=[text(entry_id) for entry_id in reply[4]],
+        next_cursor=text(reply[1]),
         full=bool(reply[5]),
     )
 

@@ -35,10 +35,6 @@ from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
     ReclaimingListener, RedisStreamClusterBroker
 ):

@@ -40,6 +40,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
 from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import _library_name
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.server_errors import is_outage
@@ -49,10 +50,6 @@ from taskiq_atomic_claim.server_info import ServerInfo
 StreamEntries = list[tuple[Any, Any]]
 
 _MOVABLE_KEY_SCRIPTS = frozenset({"FCALL", "FCALL_RO"})
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
@@ -120,15 +117,15 @@ class SlotRoutedClient:
         self._resting_until: dict[tuple[str, ...], float] = {}
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        command = _text(args[0]).upper()
+        command = text(args[0]).upper()
         if command == "INFO":
             # The oldest server decides which features may be used.
             infos = await self._on_every_primary(args, options)
             return min(infos, key=_age)
-        if command == "FUNCTION" and _text(args[1]).upper() == "LIST":
+        if command == "FUNCTION" and text(args[1]).upper() == "LIST":
             return _libraries_everywhere(await self._on_every_primary(args, options))
         if command in _MOVABLE_KEY_SCRIPTS and len(args) > 3 and int(args[2]) > 0:
-            node = await self.primary_for(_text(args[3]))
+            node = await self.primary_for(text(args[3]))
             return await self.cluster.execute_command(
                 *args, target_nodes=node, **options
             )

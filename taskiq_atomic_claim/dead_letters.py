@@ -4,15 +4,10 @@ worker does. Listing and requeue, what an operator does, are in
 
 from __future__ import annotations
 
-from typing import Any
-
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import DEAD_LETTER
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
-
-
-def text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 async def move_to_dead_letters(

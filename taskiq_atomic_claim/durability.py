@@ -22,6 +22,8 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
 
+from taskiq_atomic_claim.replies import text
+
 logger = logging.getLogger("taskiq.atomic_claim")
 
 SAFE_EVICTION_POLICY = "noeviction"
@@ -34,16 +36,12 @@ class DurabilityRisk:
     advice: str
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def _info(client: Any, section: str) -> dict[str, Any]:
     reply = await client.execute_command("INFO", section)
     if isinstance(reply, bytes | str):  # raw text when no callback parsed it
-        pairs = (line.split(":", 1) for line in _text(reply).splitlines())
+        pairs = (line.split(":", 1) for line in text(reply).splitlines())
         return {p[0]: p[1] for p in pairs if len(p) == 2}
-    return {_text(k): v for k, v in dict(reply).items()}
+    return {text(k): v for k, v in dict(reply).items()}
 
 
 async def _save_points(client: Any) -> str | None:
@@ -58,7 +56,7 @@ async def _save_points(client: Any) -> str | None:
         if isinstance(reply, dict)
         else [v for k, v in zip(reply[::2], reply[1::2], strict=True)]
     )
-    return _text(values[0]) if values else None
+    return text(values[0]) if values else None
 
 
 def may_read_config(client: Any) -> bool:
@@ -82,7 +80,7 @@ async def durability_risks(
     except RedisError as error:
         logger.debug("Durability settings not checked: %s", error)
         return risks
-    policy = _text(memory.get("maxmemory_policy", SAFE_EVICTION_POLICY))
+    policy = text(memory.get("maxmemory_policy", SAFE_EVICTION_POLICY))
     if policy != SAFE_EVICTION_POLICY:
         risks.append(
             DurabilityRisk(

@@ -35,11 +35,9 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from taskiq_atomic_claim.replies import text
+
 logger = logging.getLogger("taskiq.atomic_claim")
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -56,7 +54,7 @@ def _groups(reply: Any) -> list[dict[str, Any]]:
             if isinstance(entry, dict)
             else dict(zip(entry[::2], entry[1::2], strict=True))
         )
-        groups.append({_text(k): v for k, v in group.items()})
+        groups.append({text(k): v for k, v in group.items()})
     return groups
 
 
@@ -84,8 +82,8 @@ class GroupPositions:
                 logger.debug("Group position of %r not read: %s", stream, error)
                 continue
             for info in _groups(reply):
-                if _text(info.get("name")) == group:
-                    self.advance(stream, _text(info["last-delivered-id"]))
+                if text(info.get("name")) == group:
+                    self.advance(stream, text(info["last-delivered-id"]))
 
 
 async def recreate_group(

@@ -34,6 +34,7 @@ from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -315,7 +316,7 @@ class InFlight:
                 if idle_ms == 0:
                     self.metrics.add("heartbeats", stream)
                 for entry_id in lost:
-                    self.discard(stream, _text(entry_id))
+                    self.discard(stream, text(entry_id))
 
     async def hand_back(self, client: Any) -> int:
         """Make every held entry claimable at once and take back the starts
@@ -345,10 +346,6 @@ class InFlight:
                 self.metrics.add("handed_back", stream, len(chunk) - len(lost))
         self.clear()
         return handed
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def bounded_reason(reason: str) -> str:

@@ -22,6 +22,7 @@ from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.operations import DROP_TRIMMED
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.server_info import LUA_CLAIM, NATIVE_CLAIM, ServerInfo
@@ -31,10 +32,6 @@ logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
 _MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class NativeReads:
@@ -140,9 +137,9 @@ class NativeReads:
                     self._sweep_from.get(stream, "-"),
                 ],
             )
-            self._sweep_from[stream] = _text(next_start)
+            self._sweep_from[stream] = text(next_start)
             report_trimmed(
-                self.metrics, stream, [_text(entry_id) for entry_id in trimmed]
+                self.metrics, stream, [text(entry_id) for entry_id in trimmed]
             )
 
     async def sweep_if_due(self, client: Any) -> None:
@@ -246,7 +243,7 @@ def read_entries(fetched: Any) -> list[tuple[str, str, dict[Any, Any], bool]]:
                 flat = list(fields or [])
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
             reclaimed = len(entry) < 4 or int(entry[2]) > 0 or int(entry[3]) > 0
-            read.append((_text(stream), _text(entry[0]), fields, reclaimed))
+            read.append((text(stream), text(entry[0]), fields, reclaimed))
     return read
 
 

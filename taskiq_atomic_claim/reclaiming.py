@@ -47,10 +47,6 @@ logger = logging.getLogger("taskiq.atomic_claim")
 _DATA_FIELD = b"data"
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
 

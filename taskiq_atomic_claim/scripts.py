@@ -29,6 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script
 from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
 
@@ -62,8 +63,8 @@ def _resolve_includes(source: str, includes: Path, seen: tuple[str, ...] = ()) -
         name = match.group(1)
         if name in seen:
             raise ValueError(f"Lua include cycle: {' -> '.join((*seen, name))}")
-        text = (includes / f"{name}.lua").read_text(encoding="utf-8")
-        return _resolve_includes(text, includes, (*seen, name)).rstrip("\n")
+        included = (includes / f"{name}.lua").read_text(encoding="utf-8")
+        return _resolve_includes(included, includes, (*seen, name)).rstrip("\n")
 
     return _INCLUDE.sub(include, source)
 
@@ -216,10 +217,6 @@ class LibraryStatus:
     other_versions: tuple[str, ...] = ()
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def mode_for(server: ServerInfo) -> LoadMode:
     return LoadMode.FUNCTIONS if server.functions else LoadMode.SCRIPTS
 
@@ -338,7 +335,7 @@ def _library_name(entry: Any) -> str:
     # FUNCTION LIST replies with a flat [key, value, ...] list per library
     # under RESP2 and a map under RESP3.
     if isinstance(entry, dict):
-        fields = {_text(k): v for k, v in entry.items()}
+        fields = {text(k): v for k, v in entry.items()}
     else:
-        fields = {_text(k): v for k, v in zip(entry[::2], entry[1::2], strict=True)}
-    return _text(fields["library_name"])
+        fields = {text(k): v for k, v in zip(entry[::2], entry[1::2], strict=True)}
+    return text(fields["library_name"])

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
+from taskiq_atomic_claim.replies import text
+
 _NUMERIC = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 # A script that cannot be loaded anywhere: calling it by SHA answers NOSCRIPT
 # wherever scripting works, without running anything.
@@ -39,10 +41,6 @@ class AckedDeletionUnavailableError(RuntimeError):
     """``delete_acked`` was asked of a server without XACKDEL."""
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 @dataclass(frozen=True)
 class ServerInfo:
     """One server: product, real version and what this package may use there."""
@@ -56,7 +54,7 @@ class ServerInfo:
     def from_info(cls, info: Any) -> ServerInfo:
         """From an ``INFO server`` reply as redis-py parses it (a dict)."""
         fields = (
-            {_text(k): _text(v) for k, v in info.items()}
+            {text(k): text(v) for k, v in info.items()}
             if isinstance(info, dict)
             else {}
         )

@@ -17,6 +17,7 @@ from taskiq_atomic_claim.group_recovery import (
     first_position,
     recreate_group,
 )
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -24,10 +25,6 @@ logger = logging.getLogger("taskiq.atomic_claim")
 
 class StreamTypeError(RuntimeError):
     """A key the broker must read as a stream holds another type (WRONGTYPE)."""
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class StreamSetup:
@@ -49,7 +46,7 @@ class StreamSetup:
         """Fail at startup, naming the key, if a stream key holds another type."""
         async with self._connection() as client:
             for stream in self.streams:
-                kind = _text(await client.type(stream))
+                kind = text(await client.type(stream))
                 if kind not in ("stream", "none"):
                     raise StreamTypeError(
                         f"key {stream!r} holds a {kind}, not a stream: pick another"

@@ -14,6 +14,9 @@ from taskiq.utils import maybe_awaitable
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.operations import DROP_TRIMMED
+from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import (
     LUA_CLAIM,
     NATIVE_CLAIM,
@@ -144,6 +147,40 @@ async def test_an_entry_deleted_while_pending_is_reported_and_dropped(
         assert alive.metrics.snapshot()["trimmed"] == 1
     finally:
         await alive.shutdown()
+
+
+async def test_the_sweep_drops_only_idle_pending_entries_whose_data_is_gone(
+    redis: Redis,
+) -> None:
+    # Only the native path sweeps (Redis >= 8.4), but its script runs on every
+    # server: checked everywhere, page by page.
+    await redis.xgroup_create(KEYS.stream, KEYS.group, id="0", mkstream=True)
+    ids = [await redis.xadd(KEYS.stream, {"data": str(n)}) for n in range(5)]
+    await redis.xreadgroup(KEYS.group, "dead", {KEYS.stream: ">"})
+    await redis.hset(KEYS.started, mapping=dict.fromkeys(ids, 1))
+    await redis.pexpire(KEYS.started, 60_000)
+    await redis.xdel(KEYS.stream, ids[0], ids[3])
+    runner, keys = ScriptRunner(), [KEYS.stream, KEYS.started]
+
+    # Not idle long enough: a live worker may hold them.
+    reply = await runner.call(redis, DROP_TRIMMED, keys, [KEYS.group, 60_000, 10, "-"])
+    assert [text(reply[0]), reply[1]] == ["-", []]
+    assert (await redis.xpending(KEYS.stream, KEYS.group))["pending"] == 5
+
+    starts, dropped = ["-"], []
+    for _ in range(5):
+        next_start, page = await runner.call(
+            redis, DROP_TRIMMED, keys, [KEYS.group, 0, 2, starts[-1]]
+        )
+        dropped += [text(entry_id) for entry_id in page]
+        starts.append(text(next_start))
+        if starts[-1] == "-":
+            break
+    assert starts == ["-", f"({text(ids[1])}", f"({text(ids[3])}", "-"]
+    assert dropped == [text(ids[0]), text(ids[3])]
+    pending = await redis.xpending_range(KEYS.stream, KEYS.group, "-", "+", 10)
+    assert [entry["message_id"] for entry in pending] == [ids[1], ids[2], ids[4]]
+    assert sorted(await redis.hkeys(KEYS.started)) == [ids[1], ids[2], ids[4]]
 
 
 async def test_maxlen_trims_only_acked_entries_where_the_server_can(

@@ -23,10 +23,10 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import DeadLetter, list_dead_letters
-from taskiq_atomic_claim.dead_letters import text
 from taskiq_atomic_claim.harness.drill import Events, _taskiq_command
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
 from tests.started_app import POISON_TASK

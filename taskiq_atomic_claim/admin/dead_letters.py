@@ -11,9 +11,9 @@ from typing import Any
 from taskiq import TaskiqFormatter
 from taskiq.formatters.json_formatter import JSONFormatter
 
-from taskiq_atomic_claim.dead_letters import text as _text
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
+from taskiq_atomic_claim.replies import text as _text
 from taskiq_atomic_claim.scripts import ScriptRunner
 
 METADATA_PREFIX = b"dead_letter_"
