@@ -18,7 +18,8 @@
   Returns {next_start, {dropped_id, ...}}: next_start is "-" once the PEL's
   end was reached, else "(" .. the last id looked at.
 
-  Invariant: acks only entries whose data is gone; writes no key.
+  Invariant: acks only entries whose data is gone; creates no key and sets
+  no expiry (it only deletes fields of the started hash).
 ]]
 
 --- @include "drop_if_data_gone"
