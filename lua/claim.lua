@@ -22,7 +22,10 @@
                                      the dead-letter stream instead of the
                                      claimer. Reads and hand-backs of entries
                                      that never started do not count.
-  ARGV[7+i] count                    XAUTOCLAIM COUNT for stream i
+  ARGV[7]  delete_acked              "1": dead-lettered entries are acked with
+                                     XACKDEL ... ACKED (Redis >= 8.2), as
+                                     ack.lua acks; anything else: XACK only
+  ARGV[8+i] count                    XAUTOCLAIM COUNT for stream i
 
   Returns one reply per stream, in KEYS order, each one of
     {"skipped", holder, lease_pttl_ms}
@@ -32,7 +35,9 @@
         entries now owned by ARGV[2]; trimmed ids were pending but their
         stream entry is gone (trimmed or XDEL'd) and were removed from the PEL;
         dead-lettered ids reached max_deliveries crashes, were copied to the
-        dead letters and acked, and their start counts deleted. full is 1
+        dead letters and acked (with ARGV[7] "1" also deleted from the
+        stream once no group still needs them), and their start counts
+        deleted. full is 1
         when XAUTOCLAIM filled COUNT (more may be idle): then no lease is
         taken (one held by the caller is dropped), so every claimer with
         room helps drain; else 0 and the caller holds the lease.
@@ -51,6 +56,7 @@
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, lease_ms, cursor_ttl_ms = ARGV[3], ARGV[4], ARGV[5]
 local max_deliveries = tonumber(ARGV[6])
+local delete_acked = ARGV[7] == "1"
 
 local function claim_stream(stream, lease_key, cursor_key, dead_letters, started, count)
   local holder = redis.call("GET", lease_key)
@@ -112,7 +118,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
       local crash_count = tonumber(crashes[i]) or 0
       if crash_count >= max_deliveries then
         move_to_dead_letters(stream, dead_letters, group, entry[1], entry[2], crash_count,
-          "max_deliveries exceeded")
+          "max_deliveries exceeded", delete_acked)
         redis.call("HDEL", started, entry[1])
         dead_lettered[#dead_lettered + 1] = entry[1]
       else
@@ -160,6 +166,6 @@ end
 local replies = {}
 for i = 0, #KEYS / 5 - 1 do
   replies[i + 1] = claim_stream(KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3],
-    KEYS[5 * i + 4], KEYS[5 * i + 5], ARGV[7 + i])
+    KEYS[5 * i + 4], KEYS[5 * i + 5], ARGV[8 + i])
 end
 return replies

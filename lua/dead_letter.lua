@@ -11,20 +11,24 @@
   ARGV[1]  group
   ARGV[2]  entry id
   ARGV[3]  reason
-  ARGV[4]  optional: the count to record as its deliveries (the start
+  ARGV[4]  "1": ack with XACKDEL ... ACKED (Redis >= 8.2), deleting the
+           entry from the stream once no group still needs it, as ack.lua
+           does (delete_acked); anything else: XACK only
+  ARGV[5]  optional: the count to record as its deliveries (the start
            count, when it goes for max_deliveries); else the PEL's count
 
   Returns {dead_letter_id} when moved, {} when the entry was already gone
   from the stream (then it is only acked, so it cannot come back).
 
-  Invariant: an entry leaves the PEL only together with its copy landing in
-  the dead-letter stream; nothing is acked without a record.
+  Invariant: an entry leaves the PEL, or its stream, only together with its
+  copy landing in the dead-letter stream; nothing is acked without a record.
 ]]
 
 --- @include "move_to_dead_letters"
 
 local stream, dead_letters, started = KEYS[1], KEYS[2], KEYS[3]
-local group, id, reason, recorded = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local group, id, reason = ARGV[1], ARGV[2], ARGV[3]
+local delete_acked, recorded = ARGV[4] == "1", ARGV[5]
 
 redis.call("HDEL", started, id)
 local found = redis.call("XRANGE", stream, id, id)
@@ -40,4 +44,4 @@ elseif #pending == 1 then
   deliveries = pending[1][4]
 end
 return {move_to_dead_letters(stream, dead_letters, group, id, found[1][2],
-  deliveries, reason)}
+  deliveries, reason, delete_acked)}

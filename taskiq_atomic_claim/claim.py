@@ -121,6 +121,7 @@ async def claim_streams(
             settings.lease,
             settings.cursor_ttl,
             settings.max_deliveries,
+            int(settings.delete_acked),
             *counts,
         ],
     )

@@ -16,15 +16,19 @@ async def move_to_dead_letters(
     keys: StreamKeys,
     entry_id: str,
     reason: str,
+    *,
+    delete_acked: bool,
     deliveries: int | None = None,
 ) -> str | None:
     """Move one pending entry and ack it; None if its data was already gone.
-    ``deliveries`` is recorded in place of the PEL's delivery count."""
+    With ``delete_acked`` the ack is the broker's (XACKDEL ... ACKED): the
+    entry leaves its stream once no group still needs it. ``deliveries`` is
+    recorded in place of the PEL's delivery count."""
     extra = [] if deliveries is None else [deliveries]
     reply = await runner.call(
         client,
         DEAD_LETTER,
         [keys.stream, keys.dead_letters, keys.started],
-        [keys.group, entry_id, reason, *extra],
+        [keys.group, entry_id, reason, int(delete_acked), *extra],
     )
     return text(reply[0]) if reply else None

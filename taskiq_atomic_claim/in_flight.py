@@ -270,7 +270,12 @@ class InFlight:
         """Move a held entry to dead letters, in place of its ack."""
         keys = StreamKeys(delivery.stream, self.group)
         await move_to_dead_letters(
-            self.scripts, client, keys, delivery.entry_id, reason
+            self.scripts,
+            client,
+            keys,
+            delivery.entry_id,
+            reason,
+            delete_acked=self.settings.delete_acked,
         )
         self.discard(delivery.stream, delivery.entry_id)
         self.metrics.add("dead_lettered", delivery.stream)

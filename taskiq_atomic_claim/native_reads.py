@@ -206,6 +206,7 @@ class NativeReads:
                         keys,
                         entry_id,
                         _MAX_DELIVERIES_EXCEEDED,
+                        delete_acked=self.claim_settings.delete_acked,
                         deliveries=int(count),
                     )
                     poisoned.add((stream, entry_id))

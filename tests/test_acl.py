@@ -31,6 +31,7 @@ from taskiq_atomic_claim.admin.acl import (
     worker_commands,
     worker_key_patterns,
 )
+from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
@@ -336,6 +337,8 @@ def test_the_documented_rule_is_the_one_the_code_makes() -> None:
     for version in ("6.2", "7.0", "7.2"):
         for command in worker_commands(version, result_backend=True):
             assert command in WORKER_ACL, (version, command)
+    for command in worker_commands("8.2", delete_acked=True):
+        assert command in WORKER_ACL, command
     for pattern in worker_key_patterns(["S"], "G"):
         assert pattern in WORKER_ACL
 
@@ -385,3 +388,96 @@ def test_the_result_backend_prefix_cannot_be_empty() -> None:
     printed = acl_command("--result-backend-prefix", "")
     assert printed.returncode == 2
     assert "result_backend_prefix must not be empty" in printed.stderr
+
+
+async def delete_acked_worker(url: str, redis: Redis) -> None:
+    """A worker with delete_acked acks one entry and dead-letters two: one
+    without data (dead_letter), one whose task crashed (the reclaim)."""
+    keys = StreamKeys(QUEUE, GROUP)
+    broker = AtomicRedisStreamBroker(
+        url,
+        queue_name=QUEUE,
+        consumer_group_name=GROUP,
+        consumer_name="worker",
+        idle_timeout=IDLE_MS,
+        claim_interval=50,
+        xread_block=50,
+        max_deliveries=1,
+        delete_acked=True,
+    )
+    await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
+    crashed = text(await redis.xadd(QUEUE, {"data": "crashed"}))
+    await redis.xreadgroup(GROUP, "dead", {QUEUE: ">"})
+    await redis.hset(keys.started, crashed, 1)
+    await redis.pexpire(keys.started, 60_000)
+    await redis.xadd(QUEUE, {"written-by": "someone else"})
+    listener = broker.listen()
+    try:
+        with contextlib.suppress(RedisError):
+            await broker.startup()
+            await broker.kick(message("new"))
+            received = await asyncio.wait_for(listener.__anext__(), 5)
+            assert received.data == b"new"
+            await maybe_awaitable(received.ack())
+            # Reading on, the crashed entry is reclaimed once idle and goes
+            # to the dead letters instead of being yielded.
+            reading = asyncio.ensure_future(listener.__anext__())
+            for _ in range(50):
+                if reading.done() or await redis.xlen(keys.dead_letters) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+    finally:
+        with contextlib.suppress(RedisError, RuntimeError):
+            await listener.aclose()
+        with contextlib.suppress(RedisError):
+            await broker.shutdown()
+
+
+async def test_a_delete_acked_worker_acks_and_dead_letters_under_the_printed_rule(
+    server: Server, redis: Redis
+) -> None:
+    printed = acl_command(
+        "--url", server.url, "--queue", QUEUE, "--group", GROUP, "--user", USER,
+        "--delete-acked",
+    )  # fmt: skip
+    if not server.info.acked_trimming:
+        assert printed.returncode == 2, printed.stdout
+        assert printed.stderr.count("\n") == 1, printed.stderr
+        assert "delete_acked" in printed.stderr
+        assert server.info.name in printed.stderr, "the real product and version"
+        return
+    assert printed.returncode == 0, printed.stderr
+    words = printed.stdout.splitlines()[1].split()
+    assert "+xackdel" in words
+    words[5] = f">{PASSWORD}"
+    await server_command(redis, *words)
+    await server_command(redis, "ACL", "LOG", "RESET")
+    await delete_acked_worker(with_user(server.url, USER, PASSWORD), redis)
+    assert await refused(redis) == []
+    assert await redis.xlen(QUEUE) == 0, "acked and dead-lettered: all deleted"
+    assert await redis.xlen(StreamKeys(QUEUE, GROUP).dead_letters) == 2
+
+    # Without +xackdel the same worker is refused: the rule needs it.
+    await redis.flushall()
+    await set_user(redis, [word for word in words[6:] if word != "+xackdel"])
+    await server_command(redis, "ACL", "LOG", "RESET")
+    await delete_acked_worker(with_user(server.url, USER, PASSWORD), redis)
+    assert "xackdel" in await refused(redis)
+
+
+@pytest.mark.parametrize("version", ["6.2", "7.2", "8.0"])
+def test_delete_acked_is_refused_for_a_server_version_without_xackdel(
+    version: str,
+) -> None:
+    printed = acl_command("--server-version", version, "--delete-acked")
+    assert printed.returncode == 2
+    assert printed.stderr.count("\n") == 1, printed.stderr
+    assert f"version {version} has none" in printed.stderr
+    assert "Redis >= 8.2" in printed.stderr
+    accepted = acl_command("--server-version", "8.2", "--delete-acked")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "+xackdel" in accepted.stdout.split()
+    assert "+xackdel" not in acl_command("--server-version", "8.2").stdout.split()

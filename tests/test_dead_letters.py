@@ -167,7 +167,12 @@ async def dead_letter(redis: Redis, data: bytes, field: str = "data") -> str:
     entry_id = text(await redis.xadd(STREAM, {field: data}))
     await redis.xreadgroup(GROUP, "c", {STREAM: ">"})
     await move_to_dead_letters(
-        ScriptRunner(), redis, KEYS, entry_id, "max_deliveries exceeded"
+        ScriptRunner(),
+        redis,
+        KEYS,
+        entry_id,
+        "max_deliveries exceeded",
+        delete_acked=False,
     )
     return entry_id
 

@@ -70,7 +70,9 @@ async def dead_letter_one(redis: Redis, stream: str, group: str, data: bytes) ->
     entry_id = text(await redis.xadd(stream, {"data": data}))
     await redis.xreadgroup(group, "c", {stream: ">"})
     keys = StreamKeys(stream, group)
-    assert await move_to_dead_letters(ScriptRunner(), redis, keys, entry_id, "test")
+    assert await move_to_dead_letters(
+        ScriptRunner(), redis, keys, entry_id, "test", delete_acked=False
+    )
 
 
 async def test_requeue_moves_only_the_named_streams_dead_letters(

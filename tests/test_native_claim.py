@@ -13,6 +13,7 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
+from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.operations import DROP_TRIMMED
 from taskiq_atomic_claim.replies import text
@@ -37,6 +38,16 @@ async def command_calls(redis: Redis, name: str) -> int:
     """Calls of ``name`` since CONFIG RESETSTAT, scripts' calls included."""
     stats = await redis.info("commandstats")
     return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+def skip_without_xackdel(server: Server) -> None:
+    if not server.info.acked_trimming:
+        pytest.skip(f"{server.info.name} has no XACKDEL (Redis >= 8.2)")
+
+
+async def stream_ids(redis: Redis) -> list[str]:
+    entries: Any = await redis.xrange("taskiq")
+    return [text(entry_id) for entry_id, _ in entries]
 
 
 async def coordination_keys(redis: Redis) -> list[bytes]:
@@ -242,8 +253,7 @@ async def test_delete_acked_removes_acked_entries_or_is_refused(
 async def test_delete_acked_keeps_entries_another_group_still_needs(
     server: Server, redis: Redis
 ) -> None:
-    if not server.info.acked_trimming:
-        pytest.skip(f"{server.info.name} has no XACKDEL (Redis >= 8.2)")
+    skip_without_xackdel(server)
     broker = await started(server, delete_acked=True)
     try:
         await redis.xgroup_create("taskiq", "audit", id="0")
@@ -252,6 +262,78 @@ async def test_delete_acked_keeps_entries_another_group_still_needs(
         assert received is not None
         await maybe_awaitable(received.ack())
         assert await redis.xlen("taskiq") == 1, "group audit has not read it"
+    finally:
+        await broker.shutdown()
+
+
+@pytest.mark.parametrize("delete_acked", [True, False])
+@pytest.mark.parametrize("path", [NATIVE_CLAIM, LUA_CLAIM])
+async def test_with_delete_acked_a_poison_entry_leaves_the_stream_as_an_ack_would(
+    server: Server, redis: Redis, path: str, delete_acked: bool
+) -> None:
+    if delete_acked:
+        skip_without_xackdel(server)
+    if path == NATIVE_CLAIM and not server.info.native_claim:
+        pytest.skip(f"{server.info.name} has no XREADGROUP CLAIM (Redis >= 8.4)")
+    # An additional stream read from an explicit id keeps the reads from
+    # reclaiming: the Lua claim serves every stream, even on Redis >= 8.4.
+    lua = {"additional_streams": {"extra": "0"}} if path == LUA_CLAIM else {}
+    alive = await started(
+        server,
+        consumer_name="alive",
+        max_deliveries=2,
+        delete_acked=delete_acked,
+        **lua,
+    )
+    try:
+        await alive.kick(message("poison"))
+        await alive.kick(message("innocent"))
+        poison, _ = await pending_by(redis, "dead", 2)
+        await redis.hset(KEYS.started, poison, 2)
+        await redis.pexpire(KEYS.started, 60_000)
+
+        delivered = await receive(alive.listen(), IDLE_MS / 1000 + 3)
+        assert delivered is not None
+        assert delivered.data == b"innocent"
+        assert alive.reclaim_path == path
+        [dead_letter] = await list_dead_letters(redis, KEYS)
+        assert dead_letter.original_id == poison
+        assert dead_letter.fields[b"data"] == b"poison", "the copy holds the data"
+        left = await stream_ids(redis)
+        if delete_acked:
+            assert poison not in left, "no group needs it: deleted as acks delete"
+        else:
+            assert poison in left, "without delete_acked dead-lettering only acks"
+        await maybe_awaitable(delivered.ack())
+    finally:
+        await alive.shutdown()
+
+
+async def test_with_delete_acked_a_dead_letter_stays_while_another_group_needs_it(
+    server: Server, redis: Redis
+) -> None:
+    skip_without_xackdel(server)
+    broker = await started(server, delete_acked=True)
+    try:
+        # Entries the broker cannot run (no data field): dead_letter.lua.
+        # Group audit has acked the first and still holds the second.
+        await redis.xgroup_create("taskiq", "audit", id="0")
+        acked = text(await redis.xadd("taskiq", {"written-by": "someone"}))
+        held = text(await redis.xadd("taskiq", {"written-by": "someone"}))
+        await redis.xreadgroup("audit", "a", {"taskiq": ">"})
+        await redis.xack("taskiq", "audit", acked)
+        await broker.kick(message("real"))
+
+        received = await receive(broker.listen(), 3)
+        assert received is not None
+        assert received.data == b"real"
+        dead_letters = await list_dead_letters(redis, KEYS)
+        assert sorted(d.original_id for d in dead_letters) == sorted([acked, held])
+        left = await stream_ids(redis)
+        assert acked not in left, "every group acked it: deleted"
+        assert held in left, "group audit still needs it"
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 1
+        await maybe_awaitable(received.ack())
     finally:
         await broker.shutdown()
 

@@ -1,10 +1,14 @@
--- move_to_dead_letters(stream, dead_letters, group, id, fields, deliveries, reason)
+-- move_to_dead_letters(stream, dead_letters, group, id, fields, deliveries, reason,
+--                      delete_acked)
 -- Copies one entry, with where it came from and why, to the dead-letter
--- stream and acks it from the group. The original stays in its stream (other
--- groups may still need it); the dead-letter stream is data: never expires.
+-- stream and acks it from the group, as ack.lua does: with delete_acked
+-- (XACKDEL ... ACKED) the original is deleted once no group still needs it,
+-- else it stays in its stream (other groups may still need it). The copy is
+-- written first, in the same script: nothing is deleted without a record.
+-- The dead-letter stream is data: never expires.
 -- Returns the dead-letter entry's id.
 local function move_to_dead_letters(stream, dead_letters, group, id, fields,
-                                    deliveries, reason)
+                                    deliveries, reason, delete_acked)
   local record = {}
   for i = 1, #fields do
     record[i] = fields[i]
@@ -16,6 +20,10 @@ local function move_to_dead_letters(stream, dead_letters, group, id, fields,
   record[n + 7], record[n + 8] = "dead_letter_deliveries", tostring(deliveries)
   record[n + 9], record[n + 10] = "dead_letter_reason", reason
   local dead_id = redis.call("XADD", dead_letters, "*", unpack(record))
-  redis.call("XACK", stream, group, id)
+  if delete_acked then
+    redis.call("XACKDEL", stream, group, "ACKED", "IDS", 1, id)
+  else
+    redis.call("XACK", stream, group, id)
+  end
   return dead_id
 end

@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.server_info import ServerInfo
 
 WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xreadgroup", "read new entries"),
@@ -36,6 +37,8 @@ RESULT_BACKEND_COMMANDS = (
 )
 # Only lua/claim.lua issues these (XAUTOCLAIM; the lease and cursor keys).
 CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
+# delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
+DELETE_ACKED_COMMANDS = (("xackdel", "inside ack, claim, dead_letter"),)
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
 # redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
@@ -65,7 +68,8 @@ Commands: -@all, then
     +hincrby +hmget +hdel
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
-  script still runs: keep the full list). delete_acked=True adds +xackdel.
+  script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
+  acl --delete-acked) adds +xackdel.
   And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
@@ -122,9 +126,15 @@ def worker_commands(
     reload: bool = True,
     handshake: bool = True,
     result_backend: bool = False,
+    delete_acked: bool = False,
 ) -> list[str]:
     """``+command`` rules for a server of that version (``INFO`` redis_version)."""
     major, minor = _version(server_version)
+    if delete_acked and not ServerInfo("Redis", f"{major}.{minor}").acked_trimming:
+        raise ValueError(
+            "delete_acked needs XACKDEL (Redis >= 8.2), and a server of version"
+            f" {server_version} has none"
+        )
     calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
     names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
     if (major, minor) >= (8, 4):
@@ -132,6 +142,8 @@ def worker_commands(
         # a result backend still GETs and SETs.
         unused = CLAIM_ONLY_COMMANDS - ({"get", "set"} if result_backend else set())
         names = [name for name in names if name not in unused]
+    if delete_acked:
+        names += [name for name, _ in DELETE_ACKED_COMMANDS]
     if reload:
         names.append(calls[1][0])
     if result_backend:
@@ -152,11 +164,13 @@ def worker_acl_rule(
     handshake: bool = True,
     literal: bool = True,
     result_backend_prefix: str | None = None,
+    delete_acked: bool = False,
 ) -> list[str]:
     """The ACL SETUSER rules (after the user's name and password) for a worker
     reading ``streams`` (queue_name first, then additional_streams) as
-    ``group``, and writing results under ``result_backend_prefix`` (the
-    result backend's ``prefix_str``); see ``WORKER_ACL``."""
+    ``group``, writing results under ``result_backend_prefix`` (the result
+    backend's ``prefix_str``), with the broker's ``delete_acked``; see
+    ``WORKER_ACL``."""
     if not streams:
         raise ValueError("streams must name at least the queue")
     if result_backend_prefix == "":
@@ -179,5 +193,6 @@ def worker_acl_rule(
             reload=reload,
             handshake=handshake,
             result_backend=result_backend_prefix is not None,
+            delete_acked=delete_acked,
         ),
     ]

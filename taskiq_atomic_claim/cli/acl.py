@@ -10,6 +10,10 @@ from taskiq_atomic_claim.admin.acl import worker_acl_rule
 from taskiq_atomic_claim.admin.inspection import server_version
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.cli.servers import ConnectionOptions, connected
+from taskiq_atomic_claim.server_info import (
+    AckedDeletionUnavailableError,
+    read_server_info,
+)
 
 
 def add_parser(commands: Any) -> None:
@@ -39,6 +43,11 @@ def add_parser(commands: Any) -> None:
         " with this prefix_str",
     )
     acl.add_argument(
+        "--delete-acked",
+        action="store_true",
+        help="for a broker with delete_acked=True: also XACKDEL (Redis >= 8.2)",
+    )
+    acl.add_argument(
         "--no-reload",
         action="store_true",
         help="leave out FUNCTION LOAD / SCRIPT LOAD: run `load` after every"
@@ -58,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             args.user,
             not args.no_reload,
             args.result_backend_prefix,
+            args.delete_acked,
         )
     )
 
@@ -83,10 +93,18 @@ async def _acl(
     user: str,
     reload: bool,
     result_backend_prefix: str | None = None,
+    delete_acked: bool = False,
 ) -> int:
     if options is not None:
         async with connected(options) as client:
             version = await server_version(client)
+            server = await read_server_info(client)
+        if delete_acked:
+            # Valkey reports redis_version 7.2.4: name the real product.
+            try:
+                server.require_acked_deletion()
+            except AckedDeletionUnavailableError as error:
+                raise CommandError(str(error)) from None
     version = version or "7.2"
     try:
         rule = worker_acl_rule(
@@ -95,6 +113,7 @@ async def _acl(
             version,
             reload=reload,
             result_backend_prefix=result_backend_prefix,
+            delete_acked=delete_acked,
         )
     except ValueError as error:
         raise CommandError(str(error)) from None
@@ -103,8 +122,9 @@ async def _acl(
         if result_backend_prefix is not None
         else ""
     )
+    acks = ", delete_acked=True" if delete_acked else ""
     print(
-        f"# a worker of queue {streams[0]!r}, group {group!r}{results} on a"
+        f"# a worker of queue {streams[0]!r}, group {group!r}{results}{acks} on a"
         f" {version} server; replace CHANGE-ME with its password"
     )
     words = ["ACL", "SETUSER", user, "reset", "on", ">CHANGE-ME", *rule]
