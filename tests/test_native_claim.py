@@ -13,7 +13,6 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.operations import DROP_TRIMMED
 from taskiq_atomic_claim.replies import text
