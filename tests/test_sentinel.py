@@ -1,9 +1,10 @@
 """AtomicRedisStreamSentinelBroker behind real local Sentinels.
 
 One master, one replica and three sentinels (quorum 2), all started from the
-local Redis 7 binary (``tests/topologies.py``). A test that fails over gets
-a setup of its own: Sentinel refuses a second failover of the same master
-for twice the failover timeout. Measured times are printed (``pytest -s``).
+local Redis 7 binary (``tests/topologies.py``); the tests of reclaim and
+failover also on Redis 8 (``on_both``). A test that fails over gets a setup
+of its own: Sentinel refuses a second failover of the same master for twice
+the failover timeout. Measured times are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
+from taskiq_atomic_claim.server_info import NATIVE_CLAIM, ServerInfo
 from tests.test_cli import cli
 from tests.topologies import (
     HOST,
@@ -46,18 +48,45 @@ RECLAIM_BOUND_S = (IDLE_MS + INTERVAL_MS) / 1000 + 2.0
 
 REDIS_7 = binary_for(7)
 REDIS_62 = binary_for(6)
+REDIS_8 = binary_for(8)
+
+# What a setup runs on (a test's param), with the name a skip gives.
+SENTINEL_SERVERS = {
+    "redis-7": (REDIS_7, "Redis 7"),
+    "redis-8": (REDIS_8, "Redis 8 (.ci/build-redis 8.6.3)"),
+}
 
 
-@pytest.fixture(scope="module")
-def sentinels() -> Iterator[LocalSentinels]:
+def on_both(setup: str) -> pytest.MarkDecorator:
+    """Run the test on Redis 7 (Lua claim) and on Redis 8, where the reads
+    reclaim (XREADGROUP ... CLAIM, >= 8.4) and the listen loop never calls
+    claim_streams. Only tests where 8 runs other code take it: the reclaim
+    itself and its acks; a reclaim across a failover, where only the reads
+    follow the master; a blocked CLAIM read on a demoted master; a SIGKILLed
+    worker's rerun, screened for max_deliveries by the reads. The rest
+    (construction, the CLI, 6.2's script reload, the reads' master check
+    between rare claims, which 7 already exercises) take the same code on
+    both. About 20 s more on CI (four setups of ~2 s, ~8 s of tests)."""
+    return pytest.mark.parametrize(setup, list(SENTINEL_SERVERS), indirect=True)
+
+
+def local_sentinels(request: pytest.FixtureRequest) -> LocalSentinels:
+    binary, what = SENTINEL_SERVERS[request.param]
+    return LocalSentinels(need(binary, what))
+
+
+# Redis 7 unless the test says otherwise (on_both): one param for all, so
+# the shared setup is not started twice.
+@pytest.fixture(scope="module", params=["redis-7"])
+def sentinels(request: pytest.FixtureRequest) -> Iterator[LocalSentinels]:
     """Shared by the tests that do not fail over."""
-    with LocalSentinels(need(REDIS_7, "Redis 7")) as started:
+    with local_sentinels(request) as started:
         yield started
 
 
-@pytest.fixture
-def own_sentinels() -> Iterator[LocalSentinels]:
-    with LocalSentinels(need(REDIS_7, "Redis 7")) as started:
+@pytest.fixture(params=["redis-7"])
+def own_sentinels(request: pytest.FixtureRequest) -> Iterator[LocalSentinels]:
+    with local_sentinels(request) as started:
         yield started
 
 
@@ -121,6 +150,33 @@ async def drained(setup: LocalSentinels, queue: str, timeout: float = 15) -> boo
     return False
 
 
+def expected_path(setup: LocalSentinels) -> str:
+    return ServerInfo("Redis", setup.binary.version).reclaim_path
+
+
+def reset_command_stats(setup: LocalSentinels) -> None:
+    for server in setup.servers:
+        with SyncRedis(host=HOST, port=server.port) as client:
+            client.config_resetstat()
+
+
+def assert_claims_took_the_servers_path(setup: LocalSentinels) -> None:
+    """Since the servers started (or ``reset_command_stats``), the brokers
+    claimed on the path the servers' version allows, seen on every server,
+    whichever was master: only the Lua claim calls XAUTOCLAIM (counted in
+    INFO commandstats from inside a function too; replicas get XCLAIM). On
+    Redis >= 8.4 not once, so a test cannot pass on the Lua path there."""
+    calls = 0
+    for server in setup.servers:
+        with SyncRedis(host=HOST, port=server.port) as client:
+            stats: Any = client.info("commandstats")
+        calls += int(stats.get("cmdstat_xautoclaim", {}).get("calls", 0))
+    if expected_path(setup) == NATIVE_CLAIM:
+        assert calls == 0, "Redis >= 8.4: the reads reclaim, no claim script"
+    else:
+        assert calls > 0, "the Lua claim reclaims"
+
+
 def replicate(setup: LocalSentinels) -> float:
     master = setup.master_port()
     replicas = [s.port for s in setup.servers if s.port != master and s.process]
@@ -162,10 +218,12 @@ def test_parent_arguments_keep_their_positions() -> None:
 # On the shared setup.
 
 
+@on_both("sentinels")
 @bounded(60)
 async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
     sentinels: LocalSentinels, make_broker: Brokers
 ) -> None:
+    reset_command_stats(sentinels)
     queue = f"reclaim-{uuid.uuid4().hex[:6]}"
     first = await make_broker(sentinels, queue, "first")
     second = await make_broker(sentinels, queue, "second")
@@ -182,12 +240,16 @@ async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
     assert recovered - died <= RECLAIM_BOUND_S
     await survivor.stop()
     assert pending_on_master(sentinels, queue) == 0
+    assert second.reclaim_path == expected_path(sentinels)
+    assert second.metrics.snapshot()["claimed"] == len(bodies)
+    assert_claims_took_the_servers_path(sentinels)
     assert unexpiring_keys([sentinels.master_port()]) == []
 
 
 # Failovers: each on a setup of its own.
 
 
+@on_both("own_sentinels")
 @bounded(120)
 async def test_forced_failover_mid_run_nothing_lost(
     own_sentinels: LocalSentinels, make_broker: Brokers
@@ -233,15 +295,21 @@ async def test_forced_failover_mid_run_nothing_lost(
     with SyncRedis(host=HOST, port=new_master) as client:
         libraries = [_library_name(e) for e in client.execute_command("FUNCTION LIST")]
     assert LIBRARY.name in libraries
+    assert survivor_broker.reclaim_path == expected_path(setup)
+    assert survivor_broker.metrics.snapshot()["claimed"] >= len(before)
+    assert_claims_took_the_servers_path(setup)
     assert unexpiring_keys([new_master]) == []
 
 
+@on_both("own_sentinels")
 @bounded(120)
 async def test_a_read_blocked_on_a_demoted_master_reconnects(
     own_sentinels: LocalSentinels, make_broker: Brokers
 ) -> None:
     # A claim interval longer than the whole test: only the UNBLOCKED reply
-    # (not the once-per-claim-interval check) can move the loop.
+    # (not the once-per-claim-interval check) can move the loop. On Redis 8
+    # the blocked read is XREADGROUP ... CLAIM, which the server also wakes
+    # when an entry turns idle: demotion must still unblock it.
     setup = own_sentinels
     queue = "unblocked"
     broker = await make_broker(
@@ -267,6 +335,8 @@ async def test_a_read_blocked_on_a_demoted_master_reconnects(
     assert handled is not None, consumer.bodies
     assert not consumer.task.done()
     await consumer.stop()
+    assert broker.reclaim_path == expected_path(setup)
+    assert_claims_took_the_servers_path(setup)
 
 
 @bounded(120)
@@ -295,6 +365,7 @@ DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
 DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
 
 
+@on_both("own_sentinels")
 @bounded(120)
 async def test_crash_drill_across_a_forced_failover(
     own_sentinels: LocalSentinels, events_server: LocalServer, tmp_path: Path
@@ -340,6 +411,7 @@ async def test_crash_drill_across_a_forced_failover(
             finished = await events.wait_for("finished", 15, run, "fresh")
             assert finished is not None, workers.log("fresh")
             assert await drained(setup, queue), workers.log("fresh")
+        assert_claims_took_the_servers_path(setup)
         print(
             f"\nsentinel drill across failover: new master named {took:.2f} s"
             f" after the command; SIGKILL -> rerun {rerun - killed:.2f} s"
