@@ -93,6 +93,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_dead_letters",
         "test_crash_drill",
         "test_faults",
+        "test_oom",
         "test_started_semantics",
     }
 )

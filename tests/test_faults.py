@@ -176,6 +176,18 @@ async def workers(server: Server) -> AsyncIterator[Workers]:
     await started_here.stop()
 
 
+async def a_long_task_and_a_rival(
+    workers: Workers, idle_ms: int
+) -> tuple[Any, AckableMessage, asyncio.Future[AckableMessage]]:
+    """An owner running a long task, and a rival's waiting ``listen()``
+    (claiming every 100 ms) that must never get it."""
+    owner = await workers.start(consumer_name="owner", idle_timeout=idle_ms)
+    rival = await workers.start(consumer_name="rival", idle_timeout=idle_ms)
+    await owner.kick(message("long"))
+    task = await asyncio.wait_for(workers.next_message(owner), 5)
+    return owner, task, workers.next_message(rival)
+
+
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 async def test_the_heartbeat_survives_an_error_reply(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture, fault: str
@@ -186,11 +198,7 @@ async def test_the_heartbeat_survives_an_error_reply(
     # plus the beat interval before and a retry after it fit in idle_timeout
     # with a second to spare.
     idle_ms = 4500
-    owner = await workers.start(consumer_name="owner", idle_timeout=idle_ms)
-    rival = await workers.start(consumer_name="rival", idle_timeout=idle_ms)
-    await owner.kick(message("long"))
-    task = await asyncio.wait_for(workers.next_message(owner), 5)
-    rival_next = workers.next_message(rival)
+    owner, task, rival_next = await a_long_task_and_a_rival(workers, idle_ms)
     caplog.set_level(logging.WARNING, LOGGER)
     async with FAULTS[fault](redis):
         await until_logged(caplog, "heartbeat owner")
@@ -232,6 +240,54 @@ async def test_out_of_memory_does_not_end_listen(
     await kicked_and_received(broker, nxt, "after-oom")
     lines = outage_lines(caplog, "consumer worker")
     assert len(lines) == (0 if native else 1), [r.getMessage() for r in caplog.records]
+
+
+async def test_an_ack_out_of_memory_acks_for_real(
+    workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An ack frees memory: refused, it would give up after idle_timeout / 2
+    # and leave a finished task pending, to run again once memory is back.
+    idle_ms = 1500
+    broker = await workers.start(consumer_name="worker", idle_timeout=idle_ms)
+    await broker.kick(message("finished-during-oom"))
+    task = await asyncio.wait_for(workers.next_message(broker), 5)
+    caplog.set_level(logging.WARNING, LOGGER)
+    async with out_of_memory(redis):
+        await acked(task)
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    assert outage_lines(caplog, "acks of consumer worker") == []
+    # Claims every 100 ms: a pending entry would be back after idle_timeout.
+    again = workers.next_message(broker)
+    done, _ = await asyncio.wait({again}, timeout=idle_ms / 1000 + 1.5)
+    if done:
+        pytest.fail(f"acked out of memory, delivered again: {again.result().data!r}")
+
+
+async def test_the_heartbeat_keeps_a_long_task_owned_out_of_memory(
+    workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Out of memory for more than twice idle_timeout; the rival claims every
+    # 100 ms (where reads reclaim, every read reclaims).
+    idle_ms = 1500
+    owner, task, rival_next = await a_long_task_and_a_rival(workers, idle_ms)
+    caplog.set_level(logging.WARNING, LOGGER)
+    async with out_of_memory(redis):
+        beats = owner.metrics.snapshot()["heartbeats"]
+        done, _ = await asyncio.wait({rival_next}, timeout=2.5 * idle_ms / 1000)
+        beats_out_of_memory = owner.metrics.snapshot()["heartbeats"] - beats
+    if not done:
+        done, _ = await asyncio.wait({rival_next}, timeout=idle_ms / 1000 + 1.5)
+    if done:
+        stolen = rival_next.result()  # raises what ended the rival's listen
+        pytest.fail(f"the long task was delivered twice: {stolen.data!r}")
+    # A beat every idle_timeout / 3: five in 2.5 idle_timeouts, two at least
+    # on a loaded machine.
+    assert beats_out_of_memory >= 2, beats_out_of_memory
+    assert outage_lines(caplog, "heartbeat owner") == []
+    [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+    assert entry["consumer"] == b"owner"
+    assert entry["times_delivered"] == 1
+    await acked(task)
 
 
 async def xgroup_calls(redis: Redis) -> int:

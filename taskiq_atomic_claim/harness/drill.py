@@ -109,11 +109,15 @@ class Worker:
     """A ``taskiq worker`` process group, killed with the group."""
 
     def __init__(
-        self, env: dict[str, str], log_path: Path, extra_args: tuple[str, ...] = ()
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        app: str = "taskiq_atomic_claim.harness.drill_app:broker",
     ) -> None:
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
-            worker_command("taskiq_atomic_claim.harness.drill_app:broker", *extra_args),
+            worker_command(app, *extra_args),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self.log,
