@@ -1,9 +1,18 @@
-"""Every server-side operation in ``lua/``, declared once: its keys and reply.
+"""Every server-side operation in ``lua/``, declared once: its keys, its
+reply, and whether it runs out of memory.
 
 Callers pass one of these to ``ScriptRunner.call``, which refuses a call with
-the wrong number of keys before any round trip. At import each declaration is
-checked against its Lua file's header (the ``KEYS[n]`` lines), and every Lua
-file must be declared here, so the two cannot drift apart.
+the wrong number of keys before any round trip. At import (of ``scripts.py``)
+each declaration is checked against its Lua file's header (the ``KEYS[n]``
+lines), and every Lua file must be declared here, so the two cannot drift
+apart.
+
+Out of memory (``maxmemory`` reached, ``noeviction``: producers outpacing
+consumers) kicks are refused; what workers do with what they already read
+must go on, or acks give up and finished tasks run again. So every operation
+of a worker is ``allow_oom``: each frees memory, keeps it as it is, or grows
+it by a bound set by the tasks in flight, not by traffic (see each one). The
+operator's moves of dead letters back onto streams are refused like kicks.
 
 Replies are typed as redis-py returns them: ids are ``bytes`` or ``str``
 depending on the client's ``decode_responses``, hence ``Any`` inside lists.
@@ -11,39 +20,104 @@ depending on the client's ``decode_responses``, hence ``Any`` inside lists.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from taskiq_atomic_claim.scripts import LIBRARY, Operation, ScriptLibrary
+if TYPE_CHECKING:
+    from taskiq_atomic_claim.scripts import ScriptLibrary
 
-# XACK's reply: 1 if the entry was pending, else 0.
-ACK: Operation[int] = Operation("ack", ("stream", "started"))
+ReplyT = TypeVar("ReplyT")
+
+
+@dataclass(frozen=True)
+class Operation(Generic[ReplyT]):
+    """A server-side operation, ``lua/<name>.lua``: what its KEYS are, and
+    (as the type parameter) what it replies."""
+
+    name: str
+    keys: tuple[str, ...]  # what KEYS[1], KEYS[2], ... are, for error messages
+    # The keys come as one group per item (e.g. per stream), any number of
+    # groups: KEYS[n*i+1..n*i+n].
+    repeated: bool = False
+    # Runs when the server is out of memory (maxmemory reached under
+    # noeviction): registered with the allow-oom flag. Redis/Valkey >= 7
+    # refuse a function without it as a whole, even one that only frees
+    # memory. (Redis 6.2 has no flags: there a script only has its first
+    # write refused, and only one that may grow memory.)
+    allow_oom: bool = False
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.keys)
+
+    def check_keys(self, keys: Sequence[str]) -> None:
+        """A wrong key count is a bug in the caller: say so before any round
+        trip (the script would index past KEYS or take an ARGV for a key)."""
+        if self.repeated:
+            if keys and len(keys) % self.num_keys == 0:
+                return
+            raise TypeError(
+                f"operation {self.name!r} takes groups of {self.num_keys} keys"
+                f" ({', '.join(self.keys)}), got {len(keys)}"
+            )
+        if len(keys) != self.num_keys:
+            raise TypeError(
+                f"operation {self.name!r} takes {self.num_keys} keys"
+                f" ({', '.join(self.keys)}), got {len(keys)}"
+            )
+
+
+# XACK's reply: 1 if the entry was pending, else 0. Frees memory.
+ACK: Operation[int] = Operation("ack", ("stream", "started"), allow_oom=True)
 # ["claimed", cursor, entries, trimmed ids, dead-lettered ids] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
+# Out of memory too: where reads reclaim (Redis >= 8.4) they do anyway, and
+# refused, a crashed worker's tasks wait for memory. Its lease and cursor
+# are two small expiring keys; a dead-lettered copy is one per entry that
+# crashed max_deliveries workers, acked (deleted with delete_acked) at once.
 CLAIM: Operation[list[Any]] = Operation(
-    "claim", ("stream", "lease", "cursor", "dead_letters", "started"), repeated=True
+    "claim",
+    ("stream", "lease", "cursor", "dead_letters", "started"),
+    repeated=True,
+    allow_oom=True,
 )
 # [dead-letter id], or [] when the entry was already gone.
+# Out of memory too: in place of the ack of an entry taskiq cannot run; the
+# heartbeat runs it first, so refused it would stop the heartbeat too.
 DEAD_LETTER: Operation[list[Any]] = Operation(
-    "dead_letter", ("stream", "dead_letters", "started")
+    "dead_letter", ("stream", "dead_letters", "started"), allow_oom=True
 )
 # -1 when the consumer still has pending entries, else XGROUP DELCONSUMER's.
-DELETE_IDLE_CONSUMER: Operation[int] = Operation("delete_idle_consumer", ("stream",))
+# Frees memory.
+DELETE_IDLE_CONSUMER: Operation[int] = Operation(
+    "delete_idle_consumer", ("stream",), allow_oom=True
+)
 # [next start, [dropped id, ...]]: pending entries whose data was gone.
-DROP_TRIMMED: Operation[list[Any]] = Operation("drop_trimmed", ("stream", "started"))
-# The ids the caller no longer owns.
-HAND_BACK: Operation[list[Any]] = Operation("hand_back", ("stream", "started"))
-# How many dead letters moved.
+# Frees memory.
+DROP_TRIMMED: Operation[list[Any]] = Operation(
+    "drop_trimmed", ("stream", "started"), allow_oom=True
+)
+# The ids the caller no longer owns. Keeps or frees memory.
+HAND_BACK: Operation[list[Any]] = Operation(
+    "hand_back", ("stream", "started"), allow_oom=True
+)
+# How many dead letters moved. The operator's: refused out of memory.
 MIGRATE_DEAD_LETTERS: Operation[int] = Operation(
     "migrate_dead_letters", ("old_dead_letters", "new_dead_letters")
 )
-# [[dead-letter id, new stream id], ...]
+# [[dead-letter id, new stream id], ...]. Adds entries to the stream, as a
+# kick does: refused out of memory.
 REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
     "requeue_dead_letters", ("dead_letters", "stream")
 )
-# The ids the caller no longer owns.
-SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",))
-# How many starts were recorded.
-START: Operation[int] = Operation("start", ("started",))
+# The ids the caller no longer owns. The heartbeat: keeps memory as it is.
+SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",), allow_oom=True)
+# How many starts were recorded. Out of memory too: one field per running
+# task in an expiring hash, deleted by its ack. Refused, the task runs anyway
+# (in_flight.record_start) with a warning each, and a crash running it out of
+# memory would not count toward max_deliveries.
+START: Operation[int] = Operation("start", ("started",), allow_oom=True)
 
 OPERATIONS: tuple[Operation[Any], ...] = (
     ACK,
@@ -82,6 +156,3 @@ def check_declarations(
                 f"lua/{name}.lua declares {script.num_keys} KEYS, operations.py"
                 f" {declared[name].num_keys} ({', '.join(declared[name].keys)})"
             )
-
-
-check_declarations(LIBRARY)

@@ -5,8 +5,9 @@ Each top-level ``lua/<operation>.lua`` file is one operation; shared pieces in
 are read once, at import. On servers with functions (Redis/Valkey >= 7) the
 operations are loaded as one function library, which persists and replicates;
 on Redis 6.2 each is a cached script called by SHA. The library's name and its
-functions' names carry a version derived from the Lua source, so releases with
-different scripts can share a server without replacing each other's.
+functions' names carry a version derived from the Lua source and the
+functions' flags (``Operation.allow_oom``), so releases with different scripts
+can share a server without replacing each other's.
 
 Keys and values only ever travel as KEYS and ARGV; the source never changes
 after import, which is what makes script caching, ACL key patterns and Cluster
@@ -20,15 +21,16 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.operations import OPERATIONS, Operation, check_declarations
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script
 from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
@@ -67,38 +69,6 @@ def _resolve_includes(source: str, includes: Path, seen: tuple[str, ...] = ()) -
         return _resolve_includes(included, includes, (*seen, name)).rstrip("\n")
 
     return _INCLUDE.sub(include, source)
-
-
-@dataclass(frozen=True)
-class Operation(Generic[ReplyT]):
-    """A server-side operation, ``lua/<name>.lua``: what its KEYS are, and
-    (as the type parameter) what it replies."""
-
-    name: str
-    keys: tuple[str, ...]  # what KEYS[1], KEYS[2], ... are, for error messages
-    # The keys come as one group per item (e.g. per stream), any number of
-    # groups: KEYS[n*i+1..n*i+n].
-    repeated: bool = False
-
-    @property
-    def num_keys(self) -> int:
-        return len(self.keys)
-
-    def check_keys(self, keys: Sequence[str]) -> None:
-        """A wrong key count is a bug in the caller: say so before any round
-        trip (the script would index past KEYS or take an ARGV for a key)."""
-        if self.repeated:
-            if keys and len(keys) % self.num_keys == 0:
-                return
-            raise TypeError(
-                f"operation {self.name!r} takes groups of {self.num_keys} keys"
-                f" ({', '.join(self.keys)}), got {len(keys)}"
-            )
-        if len(keys) != self.num_keys:
-            raise TypeError(
-                f"operation {self.name!r} takes {self.num_keys} keys"
-                f" ({', '.join(self.keys)}), got {len(keys)}"
-            )
 
 
 def declared_keys(source: str) -> tuple[int, bool]:
@@ -148,9 +118,14 @@ class ScriptLibrary:
     """All operations, and the function library built from them."""
 
     scripts: dict[str, Script]
+    # The operations a function library lets run out of memory (see
+    # ``Operation.allow_oom``).
+    allow_oom: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def from_directory(cls, directory: Path) -> ScriptLibrary:
+    def from_directory(
+        cls, directory: Path, allow_oom: frozenset[str] = frozenset()
+    ) -> ScriptLibrary:
         scripts = {}
         for path in sorted(directory.glob("*.lua")):
             if not _OPERATION_NAME.match(path.stem):
@@ -161,15 +136,18 @@ class ScriptLibrary:
             scripts[path.stem] = Script(path.stem, source)
         if not scripts:
             raise FileNotFoundError(f"no Lua operations found in {directory}")
-        return cls(scripts)
+        return cls(scripts, allow_oom)
 
     # The version, names and code are computed once: every FCALL names a
     # function, and hashing all sources per call would cost more than the call.
     @cached_property
     def version(self) -> str:
+        # The flags are part of what a version is: a server holding the
+        # library without them must see it as outdated.
         digest = hashlib.sha1(usedforsecurity=False)
         for script in self.scripts.values():
-            digest.update(f"{script.name}\0{script.source}\0".encode())
+            flags = self.function_flags(script.name)
+            digest.update(f"{script.name}\0{flags}\0{script.source}\0".encode())
         return digest.hexdigest()[:12]
 
     @cached_property
@@ -183,19 +161,27 @@ class ScriptLibrary:
     def function_name(self, operation: str) -> str:
         return self.function_names[operation]
 
+    def function_flags(self, operation: str) -> str:
+        """The flags its function is registered with, as a Lua table."""
+        return "{'allow-oom'}" if operation in self.allow_oom else "{}"
+
     @cached_property
     def function_code(self) -> str:
         parts = [f"#!lua name={self.name}"]
         for script in self.scripts.values():
             parts.append(
                 f"local function {script.name}(KEYS, ARGV)\n{script.source}\nend\n"
-                f"redis.register_function('{self.function_name(script.name)}',"
-                f" {script.name})"
+                "redis.register_function{"
+                f"function_name='{self.function_name(script.name)}',"
+                f" callback={script.name}, flags={self.function_flags(script.name)}}}"
             )
         return "\n".join(parts) + "\n"
 
 
-LIBRARY = ScriptLibrary.from_directory(lua_directory())
+LIBRARY = ScriptLibrary.from_directory(
+    lua_directory(), frozenset(op.name for op in OPERATIONS if op.allow_oom)
+)
+check_declarations(LIBRARY)
 
 
 class LoadMode(Enum):

@@ -26,7 +26,10 @@ from taskiq import AckableMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import free_port
-from taskiq_atomic_claim.server_info import read_server_info
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
+from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.test_broker import message, receive
 
@@ -41,13 +44,6 @@ async def started(server: Server, url: str | None = None, **kwargs: Any) -> Any:
     broker = AtomicRedisStreamBroker(url or server.url, **kwargs)
     await broker.startup()
     return broker
-
-
-async def skip_unless_oom_refuses_scripts(redis: Redis) -> None:
-    version = str((await redis.info("server"))["redis_version"])
-    if int(version.split(".", maxsplit=1)[0]) < 7:
-        # Seen: under OOM it ran the claim and heartbeat scripts anyway.
-        pytest.skip(f"Redis {version} does not refuse our scripts under OOM")
 
 
 @contextlib.asynccontextmanager
@@ -98,7 +94,9 @@ async def busy(redis: Redis) -> AsyncIterator[None]:
         await redis.config_set("lua-time-limit", str(saved["lua-time-limit"]))
 
 
-FAULTS = {"oom": out_of_memory, "readonly": read_only, "busy": busy}
+# Error replies to every write. (Out of memory, workers' operations run:
+# see the tests below.)
+FAULTS = {"readonly": read_only, "busy": busy}
 
 
 def outage_lines(caplog: pytest.LogCaptureFixture, who: str) -> list[str]:
@@ -192,8 +190,6 @@ async def a_long_task_and_a_rival(
 async def test_the_heartbeat_survives_an_error_reply(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture, fault: str
 ) -> None:
-    if fault == "oom":
-        await skip_unless_oom_refuses_scripts(redis)
     # Heartbeats every 1.5 s; the fault (1.5 s from the first failed beat)
     # plus the beat interval before and a retry after it fit in idle_timeout
     # with a second to spare.
@@ -224,22 +220,29 @@ async def test_out_of_memory_does_not_end_listen(
 ) -> None:
     # (BUSY is not tried here: a read blocked when a script starts stays
     # blocked until it ends; the heartbeat test meets BUSY.)
-    await skip_unless_oom_refuses_scripts(redis)
-    # Where reads reclaim (Redis >= 8.4) no claim call runs, and OOM does not
-    # refuse reads: the loop sees no fault at all.
-    native = (await read_server_info(redis)).native_claim
+    # Reads and claims run out of memory: the loop sees no fault at all.
     broker = await workers.start(consumer_name="worker")
     nxt = workers.next_message(broker)
     await asyncio.sleep(0.3)
     caplog.set_level(logging.WARNING, LOGGER)
     async with out_of_memory(redis):
-        if not native:
-            await until_logged(caplog, "consumer worker")
         await asyncio.sleep(FAULT_S)
         assert not nxt.done(), nxt.exception()
     await kicked_and_received(broker, nxt, "after-oom")
     lines = outage_lines(caplog, "consumer worker")
-    assert len(lines) == (0 if native else 1), [r.getMessage() for r in caplog.records]
+    assert lines == [], [r.getMessage() for r in caplog.records]
+
+
+async def test_out_of_memory_requeueing_dead_letters_is_refused(redis: Redis) -> None:
+    # The operator's move adds to the stream as a kick does: refused alike.
+    keys = StreamKeys("taskiq", "taskiq")
+    dead = text(await redis.xadd(keys.dead_letters, {"data": b"x"}))
+    async with out_of_memory(redis):
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await ScriptRunner().call(
+                redis, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], [dead]
+            )
+    assert await redis.xlen(keys.dead_letters) == 1
 
 
 async def test_an_ack_out_of_memory_acks_for_real(

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import operations
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import OPERATIONS, SET_IDLE, check_declarations
+from taskiq_atomic_claim.operations import (
+    OPERATIONS,
+    SET_IDLE,
+    Operation,
+    check_declarations,
+)
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import (
     LIBRARY,
-    Operation,
+    LibraryState,
+    LoadMode,
     ScriptLibrary,
     ScriptRunner,
     declared_key_count,
@@ -86,3 +94,47 @@ def test_operations_are_typed_by_their_reply() -> None:
     # The declarations are module constants callers import by name.
     assert operations.ACK.num_keys == 2
     assert operations.CLAIM.keys[0] == "stream"
+
+
+def as_map(reply: Any) -> dict[str, Any]:
+    """A map reply: a flat [key, value, ...] list under RESP2."""
+    if isinstance(reply, dict):
+        return {text(k): v for k, v in reply.items()}
+    return {text(k): v for k, v in zip(reply[::2], reply[1::2], strict=True)}
+
+
+def test_other_flags_make_another_library_version() -> None:
+    # Else a server holding the library without them would pass for current.
+    unflagged = ScriptLibrary(LIBRARY.scripts)
+    assert unflagged.version != LIBRARY.version
+    assert ScriptLibrary(LIBRARY.scripts, LIBRARY.allow_oom).name == LIBRARY.name
+
+
+async def test_functions_carry_the_declared_flags_and_an_unflagged_library_is_outdated(
+    redis: Redis,
+) -> None:
+    runner = ScriptRunner()
+    if await runner.mode(redis) is not LoadMode.FUNCTIONS:
+        pytest.skip("no functions (Redis 6.2): cached scripts carry no flags")
+    await runner.load(redis)
+    [library] = await redis.function_list(library=LIBRARY.name)
+    functions = [as_map(function) for function in as_map(library)["functions"]]
+    flags = {
+        text(function["name"]): {text(flag) for flag in function["flags"]}
+        for function in functions
+    }
+    assert flags == {
+        LIBRARY.function_name(op.name): {"allow-oom"} if op.allow_oom else set()
+        for op in OPERATIONS
+    }
+    assert {op.name for op in OPERATIONS if not op.allow_oom} == {
+        "migrate_dead_letters",
+        "requeue_dead_letters",
+    }
+    # A release without the flags, left alone on the server: outdated.
+    unflagged = ScriptRunner(ScriptLibrary(LIBRARY.scripts))
+    await unflagged.load(redis)
+    await redis.function_delete(LIBRARY.name)
+    status = await runner.status(redis)
+    assert status.state is LibraryState.OUTDATED
+    assert status.other_versions == (unflagged.library.name,)
