@@ -45,6 +45,7 @@ SCRIPT_BATCH = 1000
 # lapses only crash counts reset, no entry is lost.
 MIN_STARTED_TTL_MS = 24 * 3600 * 1000
 _REASON_LIMIT = 200
+UNKNOWN_TASK_DELIVERIES = 10
 
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 
