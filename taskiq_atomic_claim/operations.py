@@ -22,6 +22,8 @@ ACK: Operation[int] = Operation("ack", ("stream", "started"))
 CLAIM: Operation[list[Any]] = Operation(
     "claim", ("stream", "lease", "cursor", "dead_letters", "started"), repeated=True
 )
+# The entry's delivery count (handed back if below the bound), or -1.
+DECLINE: Operation[int] = Operation("decline", ("stream",))
 # [dead-letter id], or [] when the entry was already gone.
 DEAD_LETTER: Operation[list[Any]] = Operation(
     "dead_letter", ("stream", "dead_letters", "started")
@@ -49,6 +51,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     ACK,
     CLAIM,
     DEAD_LETTER,
+    DECLINE,
     DELETE_IDLE_CONSUMER,
     DROP_TRIMMED,
     HAND_BACK,

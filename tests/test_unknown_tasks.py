@@ -10,15 +10,16 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.receiver import Receiver
 
-from taskiq_atomic_claim.in_flight import UNKNOWN_TASK_DELIVERIES
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.unknown_tasks import UNKNOWN_TASK_DELIVERIES
 from tests.conftest import Server
 from tests.started_app import NEW_TASK
 from tests.test_reliability import started
@@ -47,8 +48,8 @@ async def test_the_receiver_hands_an_unknown_task_back_then_dead_letters_it(
     receiver = Receiver(broker, run_startup=False)
     call = TaskiqMessage(task_id="1", task_name=UNKNOWN, labels={}, args=[], kwargs={})
     await broker.kick(broker.formatter.dumps(call))
-    [(entry_id, _)] = await redis.xrange("taskiq")
-    entry_id = text(entry_id)
+    kicked: Any = await redis.xrange("taskiq")
+    entry_id = text(kicked[0][0])
     dead_letters = StreamKeys("taskiq", "taskiq").dead_letters
     listen = broker.listen()
     callbacks = 0
@@ -61,6 +62,7 @@ async def test_the_receiver_hands_an_unknown_task_back_then_dead_letters_it(
         deadline = time.monotonic() + 3 * idle_ms / 1000
         handed_back = False
         while not handed_back and time.monotonic() < deadline:
+            pending: Any
             [pending] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
             handed_back = pending["time_since_delivered"] >= idle_ms
             await asyncio.sleep(0.02)
@@ -75,10 +77,11 @@ async def test_the_receiver_hands_an_unknown_task_back_then_dead_letters_it(
                 again = await asyncio.wait_for(listen.__anext__(), 2 * idle_ms / 1000)
                 await asyncio.wait_for(receiver.callback(again), 5)
                 callbacks += 1
-        [(_, dead)] = await redis.xrange(dead_letters)
+        letters: Any = await redis.xrange(dead_letters)
     finally:
         await listen.aclose()
         await broker.shutdown()
+    [(_, dead)] = letters
     assert callbacks == UNKNOWN_TASK_DELIVERIES
     assert text(dead[b"dead_letter_id"]) == entry_id
     assert int(dead[b"dead_letter_deliveries"]) == UNKNOWN_TASK_DELIVERIES
