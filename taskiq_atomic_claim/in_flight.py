@@ -37,6 +37,11 @@ from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.unknown_tasks import (
+    call_decline,
+    log_handed_back,
+    no_worker_knows,
+)
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -76,6 +81,8 @@ class Delivery:
     started: bool = False
     # Why the formatter could not parse it; its "ack" dead-letters it.
     unparsable: str | None = None
+    # The task name this worker does not know; its "ack" declines it.
+    unknown_task: str | None = None
 
     def dropped_by_receiver(self) -> bool:
         """Its callback ended, neither acked (else it would be gone) nor
@@ -95,8 +102,11 @@ class InFlight:
         consumer: str,
         settings: ClaimSettings,
         metrics: ReclaimMetrics,
+        stand_aside: Callable[[str], None] = lambda stream: None,
     ) -> None:
         self.scripts = scripts
+        # Called with the stream of an entry declined: claim elsewhere first.
+        self.stand_aside = stand_aside
         self.group = group
         self.consumer = consumer
         self.settings = settings
@@ -254,6 +264,10 @@ class InFlight:
             task = delivery.task
             assert task is not None
             error = task.exception()
+            if delivery.unknown_task is not None:
+                # taskiq < 0.13 skips an unknown task without an ack.
+                await self.decline(client, delivery)
+                continue
             if delivery.unparsable is not None:
                 # taskiq < 0.13 skips what it cannot parse without an ack.
                 reason = delivery.unparsable
@@ -266,7 +280,28 @@ class InFlight:
                 )
             await self.dead_letter(client, delivery, reason)
 
-    async def dead_letter(self, client: Any, delivery: Delivery, reason: str) -> None:
+    async def decline(self, client: Any, delivery: Delivery) -> None:
+        """In place of the ack of an entry whose task this worker does not
+        know: hand it back for a worker that knows it, and stand aside; once
+        delivered ``UNKNOWN_TASK_DELIVERIES`` times, dead-letter it."""
+        keys = StreamKeys(delivery.stream, self.group)
+        deliveries = await call_decline(
+            self.scripts, client, keys, self.consumer, self.settings, delivery.entry_id
+        )
+        task_name = delivery.unknown_task or ""
+        reason = no_worker_knows(task_name, deliveries)
+        if reason is not None:
+            await self.dead_letter(client, delivery, reason, logging.WARNING)
+            return
+        self.discard(delivery.stream, delivery.entry_id)
+        if deliveries >= 0:  # else no longer ours: whoever took it judges it
+            self.stand_aside(delivery.stream)
+            self.metrics.add("handed_back", delivery.stream)
+            log_handed_back(delivery.stream, delivery.entry_id, task_name, deliveries)
+
+    async def dead_letter(
+        self, client: Any, delivery: Delivery, reason: str, level: int = logging.ERROR
+    ) -> None:
         """Move a held entry to dead letters, in place of its ack."""
         keys = StreamKeys(delivery.stream, self.group)
         await move_to_dead_letters(
@@ -279,7 +314,8 @@ class InFlight:
         )
         self.discard(delivery.stream, delivery.entry_id)
         self.metrics.add("dead_lettered", delivery.stream)
-        logger.error(
+        logger.log(
+            level,
             "Entry %s of stream %r moved to dead letters %r: %s",
             delivery.entry_id,
             delivery.stream,

@@ -82,6 +82,8 @@ CLAIM: Operation[list[Any]] = Operation(
     repeated=True,
     allow_oom=True,
 )
+# The entry's delivery count (handed back if below the bound), or -1.
+DECLINE: Operation[int] = Operation("decline", ("stream",))
 # [dead-letter id], or [] when the entry was already gone.
 # Out of memory too: in place of the ack of an entry taskiq cannot run; the
 # heartbeat runs it first, so refused it would stop the heartbeat too.
@@ -123,6 +125,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     ACK,
     CLAIM,
     DEAD_LETTER,
+    DECLINE,
     DELETE_IDLE_CONSUMER,
     DROP_TRIMMED,
     HAND_BACK,

@@ -4,6 +4,8 @@ middleware). See ``in_flight.py`` for why these two suffice."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from taskiq import TaskiqMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.message import BrokerMessage
@@ -13,11 +15,18 @@ from taskiq_atomic_claim.in_flight import Connect, InFlight, bounded_reason
 
 class EntryAwareFormatter(TaskiqFormatter):
     """The broker's formatter, telling ``InFlight`` which entry the receiver
-    parses and which ones it cannot parse."""
+    parses, which ones it cannot parse and which call a task it cannot find
+    (``knows_task`` is how the receiver looks a task up)."""
 
-    def __init__(self, inner: TaskiqFormatter, in_flight: InFlight) -> None:
+    def __init__(
+        self,
+        inner: TaskiqFormatter,
+        in_flight: InFlight,
+        knows_task: Callable[[str], bool],
+    ) -> None:
         self.inner = inner
         self.in_flight = in_flight
+        self.knows_task = knows_task
 
     def dumps(self, message: TaskiqMessage) -> BrokerMessage:
         return self.inner.dumps(message)
@@ -25,7 +34,7 @@ class EntryAwareFormatter(TaskiqFormatter):
     def loads(self, message: bytes) -> TaskiqMessage:
         delivery = self.in_flight.loaded(message)
         try:
-            return self.inner.loads(message)
+            loaded = self.inner.loads(message)
         except Exception as error:
             if delivery is not None:
                 # taskiq acks what it cannot parse; that ack dead-letters it.
@@ -34,6 +43,10 @@ class EntryAwareFormatter(TaskiqFormatter):
                     f" {error}"
                 )
             raise
+        if delivery is not None and not self.knows_task(loaded.task_name):
+            # taskiq acks (0.13) or skips (0.12) it; either declines it.
+            delivery.unknown_task = loaded.task_name
+        return loaded
 
 
 class StartRecorder(TaskiqMiddleware):

@@ -65,6 +65,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         middlewares: list[TaskiqMiddleware]
 
         def add_middlewares(self, *middlewares: TaskiqMiddleware) -> None: ...
+        def find_task(self, task_name: str) -> Any: ...
 
     claim_settings: ClaimSettings
     scripts: ScriptRunner
@@ -84,6 +85,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
             self.consumer_name,
             claim_settings,
             self.metrics,
+            stand_aside=self._stand_aside,
         )
         self.group_positions = GroupPositions()
         self._init_native_reads()
@@ -97,6 +99,8 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
         self._claim_due: dict[str, float] = {}
+        # Where reads reclaim: not before this (monotonic s); see _stand_aside.
+        self._read_claims_from = 0.0
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -223,7 +227,11 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         the formatter and add the middleware (once, on the worker side, after
         the app configured both)."""
         if not isinstance(self.formatter, EntryAwareFormatter):
-            self.formatter = EntryAwareFormatter(self.formatter, self.in_flight)
+            self.formatter = EntryAwareFormatter(
+                self.formatter,
+                self.in_flight,
+                lambda name: self.find_task(name) is not None,
+            )
         if not any(isinstance(m, StartRecorder) for m in self.middlewares):
             self.add_middlewares(StartRecorder(self.in_flight, self._connection))
 
@@ -234,6 +242,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         reclaim, one claim interval at most, after the rare upkeep."""
         if reads_reclaim:
             await self.sweep_if_due(client)
+            reads_reclaim = time.monotonic() >= self._read_claims_from
             until = time.monotonic() + self.claim_settings.claim_interval / 1000
         else:
             until = self._next_claim
@@ -297,6 +306,17 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
             ack=self._tracked_ack(stream, entry_id),
         )
 
+    def _stand_aside(self, stream: str) -> None:
+        """After declining an entry of ``stream`` (its task unknown here),
+        claim nothing for a while: past the lease this consumer may hold and
+        the time others wait past it, and one claim interval more, so another
+        consumer claims it first. Where reads reclaim, no read claims."""
+        settings = self.claim_settings
+        wait = settings.lease + settings.skip_wait + settings.claim_interval
+        until = time.monotonic() + wait / 1000
+        self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
+        self._read_claims_from = until
+
     def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
         """XACK and forget the entry's start count in one round trip; an
         entry taskiq could not parse goes to dead letters instead."""
@@ -304,6 +324,9 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         async def ack() -> None:
             delivery = self.in_flight.get(stream, entry_id)
             async with self._connection() as client:
+                if delivery is not None and delivery.unknown_task is not None:
+                    await self.in_flight.decline(client, delivery)
+                    return
                 if delivery is not None and delivery.unparsable is not None:
                     await self.in_flight.dead_letter(
                         client, delivery, delivery.unparsable

@@ -1,7 +1,9 @@
 """A taskiq app for tests/test_started_semantics.py, run by ``taskiq worker``.
 
 Configured from the environment. Besides the drill's ``work`` task it has a
-poison task that SIGKILLs its own worker process (as an OOM kill would).
+poison task that SIGKILLs its own worker process (as an OOM kill would), and,
+unless ``TAC_TEST_OLD_RELEASE`` is "1" (an older release of the app, as in a
+rolling deploy), ``NEW_TASK``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.drill_app import add_drill_task, events_stream
 
 POISON_TASK = "tests.started_app.poison"
+NEW_TASK = "tests.started_app.added_in_the_new_release"
 
 URL = os.environ.get("TAC_TEST_URL", "redis://127.0.0.1:6379")
 QUEUE = os.environ.get("TAC_TEST_QUEUE", "taskiq-atomic-claim-drill-started")
@@ -38,3 +41,12 @@ async def poison(run_id: str) -> None:
         events_stream(QUEUE), {"event": "poisoned", "run": run_id, "worker": WORKER}
     )
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("TAC_TEST_OLD_RELEASE") != "1":
+
+    @broker.task(task_name=NEW_TASK)
+    async def added_in_the_new_release(run_id: str) -> None:
+        await events.xadd(
+            events_stream(QUEUE), {"event": "finished", "run": run_id, "worker": WORKER}
+        )

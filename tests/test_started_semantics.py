@@ -50,7 +50,9 @@ class Queue:
     def keys(self) -> StreamKeys:
         return StreamKeys(self.name, "taskiq")
 
-    def worker(self, name: str, *extra_args: str) -> subprocess.Popen[bytes]:
+    def worker(
+        self, name: str, *extra_args: str, old_release: bool = False
+    ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
@@ -60,6 +62,7 @@ class Queue:
             "TAC_TEST_IDLE_TIMEOUT": str(IDLE_MS),
             "TAC_TEST_CLAIM_INTERVAL": str(INTERVAL_MS),
             "TAC_TEST_MAX_DELIVERIES": str(self.max_deliveries),
+            "TAC_TEST_OLD_RELEASE": str(int(old_release)),
         }
         log = (self.log_dir / f"{name}.log").open("ab")
         return subprocess.Popen(
