@@ -83,7 +83,8 @@ CLAIM: Operation[list[Any]] = Operation(
     allow_oom=True,
 )
 # The entry's delivery count (handed back if below the bound), or -1.
-DECLINE: Operation[int] = Operation("decline", ("stream",))
+# Out of memory too: a hand-back changes an existing PEL entry, adds nothing.
+DECLINE: Operation[int] = Operation("decline", ("stream",), allow_oom=True)
 # [dead-letter id], or [] when the entry was already gone.
 # Out of memory too: in place of the ack of an entry taskiq cannot run; the
 # heartbeat runs it first, so refused it would stop the heartbeat too.
