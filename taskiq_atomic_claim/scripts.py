@@ -243,10 +243,15 @@ class ScriptRunner:
         self.reloads = 0
 
     async def server(self, client: ScriptClient) -> ServerInfo:
-        """The server, read once (INFO server) for this runner's lifetime."""
+        """The server, read once (INFO server) until ``forget_server``."""
         if self._server is None:
             self._server = await read_server_info(client)
         return self._server
+
+    def forget_server(self) -> None:
+        """The server may have changed (a restart on another binary, a
+        failover): read it again at the next call."""
+        self._server = None
 
     async def mode(self, client: ScriptClient) -> LoadMode:
         return mode_for(await self.server(client))
