@@ -240,7 +240,10 @@ class ScriptRunner:
         self.library = library
         self._server: ServerInfo | None = None
         self._on_reload = on_reload
+        # Loads of operations that had run or been loaded here before and
+        # went missing (restart, flush, failover); a first load is none.
         self.reloads = 0
+        self._loaded = False
 
     async def server(self, client: ScriptClient) -> ServerInfo:
         """The server, read once (INFO server) until ``forget_server``."""
@@ -283,6 +286,7 @@ class ScriptRunner:
         else:
             for script in self.library.scripts.values():
                 await client.execute_command("SCRIPT LOAD", script.source)
+        self._loaded = True
         return mode
 
     async def status(self, client: ScriptClient) -> LibraryStatus:
@@ -311,13 +315,17 @@ class ScriptRunner:
     ) -> ReplyT:
         operation.check_keys(keys)
         try:
-            return await self._invoke(client, operation, keys, args)
+            reply = await self._invoke(client, operation, keys, args)
         except ResponseError as error:
             if not is_missing_script(error):
                 raise
-        self.reloads += 1
-        if self._on_reload is not None:
-            self._on_reload()
+        else:
+            self._loaded = True
+            return reply
+        if self._loaded:
+            self.reloads += 1
+            if self._on_reload is not None:
+                self._on_reload()
         await self.load(client)
         return await self._invoke(client, operation, keys, args)
 
