@@ -100,6 +100,12 @@ class NativeReads:
             policy += "; XACKDEL ACKED on ack"
         return policy
 
+    async def require_scripting(self) -> None:
+        """Startup: refuse, saying why, a server that runs no scripts for
+        this connection; else every ack would fail."""
+        async with self._connection() as client:
+            self.server = await self.scripts.require_scripting(client)
+
     async def check_server_features(self) -> None:
         """Startup: refuse, naming the server, what it cannot do."""
         if not self.claim_settings.delete_acked:
