@@ -112,9 +112,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
     async def startup(self) -> None:
         await super().startup()
         await self.check_stream_types()
-        async with self._connection() as client:
-            # A server that runs no scripts would fail every ack: say so now.
-            self.server = await self.scripts.require_scripting(client)
+        await self.require_scripting()
         await self.check_server_features()
         await self.check_durability()
 

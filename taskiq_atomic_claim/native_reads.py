@@ -54,6 +54,8 @@ class NativeReads:
     _sweep_from: dict[str, str]
     # Whether this connection's reads reclaim; None until chosen.
     _path_chosen: bool | None
+    # The server the path was chosen for; None until this listen() chose.
+    _chosen_on: ServerInfo | None
 
     @property
     def streams(self) -> list[str]:
@@ -67,9 +69,11 @@ class NativeReads:
         self._next_sweep = time.monotonic() + self.claim_settings.idle_timeout / 1000
         self._sweep_from = {}
         self._path_chosen = None
+        self._chosen_on = None
 
     async def learn_server(self, client: Any) -> ServerInfo:
-        """What the server is and can do; INFO once per runner."""
+        """What the server is and can do; INFO once until the server may
+        have changed (``choose_path_again``)."""
         self.server = await self.scripts.server(client)
         return self.server
 
@@ -95,6 +99,12 @@ class NativeReads:
         if self.claim_settings.delete_acked:
             policy += "; XACKDEL ACKED on ack"
         return policy
+
+    async def require_scripting(self) -> None:
+        """Startup: refuse, saying why, a server that runs no scripts for
+        this connection; else every ack would fail."""
+        async with self._connection() as client:
+            self.server = await self.scripts.require_scripting(client)
 
     async def check_server_features(self) -> None:
         """Startup: refuse, naming the server, what it cannot do."""
@@ -167,15 +177,43 @@ class NativeReads:
         return self._path_chosen
 
     async def _choose_path(self, client: Any) -> bool:
-        """Whether this connection's reads reclaim; logged once."""
-        server = await self.learn_server(client)
-        logger.info(
-            "Consumer %s on %s reclaims via %s",
-            self.consumer_name,
-            server.name,
-            self.reclaim_path,
-        )
+        """Whether this connection's reads reclaim; logged once, and again
+        if the server turns out to have changed."""
+        chosen_on = self._chosen_on
+        server = self._chosen_on = await self.learn_server(client)
+        if chosen_on is None:
+            logger.info(
+                "Consumer %s on %s reclaims via %s",
+                self.consumer_name,
+                server.name,
+                self.reclaim_path,
+            )
+        elif chosen_on.name != server.name:
+            logger.warning(
+                "Consumer %s: the server changed from %s to %s; it reclaims via %s now",
+                self.consumer_name,
+                chosen_on.name,
+                server.name,
+                self.reclaim_path,
+            )
         return self._reads_reclaim(server)
+
+    def choose_path_again(self) -> None:
+        """Before the next call: read the server again and choose the path
+        for it. After a reconnect, or a command refused as a usage error,
+        the server behind the URL may be another (a restart on an older
+        binary, a failover to another replica)."""
+        self._path_chosen = None
+        self.scripts.forget_server()
+
+    async def server_changed(self, client: Any) -> bool:
+        """After a usage error: whether the server is another than the one
+        the path was chosen for (then the next call takes the new path)."""
+        chosen_on = self._chosen_on
+        self.choose_path_again()
+        await self._reads_reclaim_on(client)
+        now = self._chosen_on
+        return chosen_on is not None and now is not None and now.name != chosen_on.name
 
     async def _screen_reclaimed(
         self, client: Any, read: list[tuple[str, str, dict[Any, Any], bool]]

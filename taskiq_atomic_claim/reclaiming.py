@@ -209,7 +209,22 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
                 )
             return True
         if not fault.is_outage:
-            raise error
+            # Refused as a usage error: maybe by another server version
+            # (XREADGROUP ... CLAIM on a server restarted on an older binary).
+            try:
+                changed = await self.server_changed(client)
+            except Exception as reread_error:
+                if not is_outage(reread_error):
+                    raise error from reread_error
+                # Gone again: wait, then read it at the next call.
+                await outage.wait(reread_error)
+                return False
+            if not changed:
+                raise error
+            return False
+        if fault in (Fault.UNREACHABLE, Fault.DEMOTED):
+            # Reconnected, or a failover: maybe to another server version.
+            self.choose_path_again()
         # Unreachable, demoted (a failover, REPLICAOF) or refusing for now
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
@@ -221,6 +236,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         self._start_heartbeat()
         self._claim_due = dict.fromkeys(self.streams, time.monotonic())
         self._path_chosen = None  # chosen at the connection's first call
+        self._chosen_on = None
 
     def _track_starts(self) -> None:
         """Learn which entry each task comes from and when it starts: wrap

@@ -226,13 +226,21 @@ class ScriptRunner:
         self.library = library
         self._server: ServerInfo | None = None
         self._on_reload = on_reload
+        # Loads of operations that had run or been loaded here before and
+        # went missing (restart, flush, failover); a first load is none.
         self.reloads = 0
+        self._loaded = False
 
     async def server(self, client: ScriptClient) -> ServerInfo:
-        """The server, read once (INFO server) for this runner's lifetime."""
+        """The server, read once (INFO server) until ``forget_server``."""
         if self._server is None:
             self._server = await read_server_info(client)
         return self._server
+
+    def forget_server(self) -> None:
+        """The server may have changed (a restart on another binary, a
+        failover): read it again at the next call."""
+        self._server = None
 
     async def mode(self, client: ScriptClient) -> LoadMode:
         return mode_for(await self.server(client))
@@ -264,6 +272,7 @@ class ScriptRunner:
         else:
             for script in self.library.scripts.values():
                 await client.execute_command("SCRIPT LOAD", script.source)
+        self._loaded = True
         return mode
 
     async def status(self, client: ScriptClient) -> LibraryStatus:
@@ -292,13 +301,17 @@ class ScriptRunner:
     ) -> ReplyT:
         operation.check_keys(keys)
         try:
-            return await self._invoke(client, operation, keys, args)
+            reply = await self._invoke(client, operation, keys, args)
         except ResponseError as error:
             if not is_missing_script(error):
                 raise
-        self.reloads += 1
-        if self._on_reload is not None:
-            self._on_reload()
+        else:
+            self._loaded = True
+            return reply
+        if self._loaded:
+            self.reloads += 1
+            if self._on_reload is not None:
+                self._on_reload()
         await self.load(client)
         return await self._invoke(client, operation, keys, args)
 

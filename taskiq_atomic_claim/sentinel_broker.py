@@ -214,10 +214,13 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         await super().startup()
         try:
             await self.check_stream_types()
+            await self.require_scripting()
         except Exception as error:
             if not is_outage(error):
                 raise
-            logger.warning("Stream keys not checked at start-up: %s", error)
+            logger.warning(
+                "Stream keys and scripting not checked at start-up: %s", error
+            )
             return await self.check_durability()
         await self.check_server_features()
         await self.check_durability()

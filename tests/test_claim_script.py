@@ -210,15 +210,27 @@ async def test_flushed_scripts_are_reloaded_once(redis: Redis) -> None:
     assert runner.reloads == 1
 
 
-async def test_never_loaded_scripts_load_on_first_call(redis: Redis) -> None:
+async def flush_scripts(redis: Redis, runner: ScriptRunner) -> None:
     await server_command(redis, "SCRIPT", "FLUSH")
-    runner = ScriptRunner()
     if await runner.mode(redis) is LoadMode.FUNCTIONS:
         await server_command(redis, "FUNCTION", "FLUSH")
+
+
+async def test_never_loaded_scripts_load_on_first_call(redis: Redis) -> None:
+    reloaded: list[None] = []
+    runner = ScriptRunner(on_reload=lambda: reloaded.append(None))
+    await flush_scripts(redis, runner)
     await pending_for(redis, "dead", 1)
     outcome = await claim(redis, "alive", settings(idle_timeout=60_000), runner)
     assert not outcome.skipped
+    # The first load on a server is no reload: nothing was lost.
+    assert runner.reloads == 0
+    assert not reloaded
+    # Lost after it ran (a restart, a flush, a failover): that is a reload.
+    await flush_scripts(redis, runner)
+    await claim(redis, "alive", settings(idle_timeout=60_000), runner)
     assert runner.reloads == 1
+    assert len(reloaded) == 1
 
 
 async def calls_of(redis: Redis, command: str) -> int:

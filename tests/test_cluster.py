@@ -29,10 +29,12 @@ from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
-from taskiq_atomic_claim.server_info import NATIVE_CLAIM
+from taskiq_atomic_claim.server_info import NATIVE_CLAIM, ScriptingUnavailableError
 from tests.test_cli import cli
 from tests.topologies import (
     HOST,
+    NO_SCRIPTS_PASSWORD,
+    NO_SCRIPTS_USER,
     ClusterNode,
     Consumer,
     DrillWorkers,
@@ -44,6 +46,7 @@ from tests.topologies import (
     message,
     need,
     unexpiring_keys,
+    user_without_scripting,
     wait_replicated,
 )
 from tests.topology_app import TASK_NAME
@@ -101,7 +104,7 @@ class Brokers(StartedBrokers):
         kwargs.setdefault("claim_interval", INTERVAL_MS)
         kwargs.setdefault("xread_block", 500)
         broker = AtomicRedisStreamClusterBroker(
-            cluster.url,
+            kwargs.pop("url", cluster.url),
             queue_name=streams[0],
             additional_streams={stream: ">" for stream in streams[1:]},
             consumer_name=name,
@@ -209,6 +212,22 @@ def test_the_oldest_primary_by_its_real_version_decides_the_features() -> None:
 
 
 # On the shared cluster.
+
+
+@bounded(30)
+async def test_startup_refuses_a_cluster_that_runs_no_scripts_for_this_user(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    # As the standalone broker does: at start-up, not at the first ack.
+    credentials = f"{NO_SCRIPTS_USER}:{NO_SCRIPTS_PASSWORD}@"
+    refused = pytest.raises(ScriptingUnavailableError, match="refused for this user")
+    with user_without_scripting([node.port for node in cluster.nodes]), refused:
+        await make_broker(
+            cluster,
+            spread_streams(cluster, "noscripts"),
+            "refused",
+            url=cluster.url.replace("redis://", f"redis://{credentials}", 1),
+        )
 
 
 @bounded(30)
@@ -638,12 +657,18 @@ async def _reclaim_round(
 async def test_redis_62_cluster_claims_with_cached_scripts(
     cluster_62: LocalCluster, make_broker: Brokers
 ) -> None:
-    # SCRIPT FLUSH on every primary after the first claims loaded them.
+    # SCRIPT FLUSH on every primary after the first broker's claims loaded
+    # them: the survivor's claims load them on every primary again.
     broker = await _reclaim_round(cluster_62, make_broker, "scripts", flush=True)
     assert await broker.scripts.mode(SlotRoutedClient(broker.redis)) is (
         LoadMode.SCRIPTS
     )
-    assert broker.scripts.reloads >= 1
+    shas = [script.sha for script in LIBRARY.scripts.values()]
+    for node in cluster_62.primaries:
+        with node_client(node) as client:
+            assert all(client.script_exists(*shas))
+    # The survivor had run none before the flush: its first load, no reload.
+    assert broker.scripts.reloads == 0
 
 
 @bounded(90)

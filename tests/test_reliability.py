@@ -170,6 +170,27 @@ async def test_server_restart_without_persistence_mid_run(
         await broker.shutdown()
 
 
+async def test_the_first_load_of_the_library_is_no_reload(
+    server: Server, redis: Redis
+) -> None:
+    # On Redis 8.6 the reads reclaim, so the first script a worker calls
+    # (here its first ack) is what loads the library.
+    await server_command(redis, "SCRIPT", "FLUSH")
+    if server.info.functions:
+        await server_command(redis, "FUNCTION", "FLUSH")
+    broker = await started(server, consumer_name="alive")
+    try:
+        await broker.kick(message("first"))
+        delivered = await receive(broker.listen(), 2)
+        assert delivered is not None
+        await maybe_awaitable(delivered.ack())
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert broker.scripts.reloads == 0
+        assert broker.metrics.snapshot()["script_reloads"] == 0
+    finally:
+        await broker.shutdown()
+
+
 async def test_script_flush_mid_run_is_transparent(
     server: Server, redis: Redis
 ) -> None:
@@ -177,6 +198,11 @@ async def test_script_flush_mid_run_is_transparent(
     alive = await started(server, consumer_name="alive")
     try:
         listener = alive.listen()
+        # Mid-run: the worker has run the library (its ack) before it is lost.
+        await alive.kick(message("first"))
+        first = await receive(listener, 2)
+        assert first is not None
+        await maybe_awaitable(first.ack())
         await dead.kick(message("orphan"))
         dead_listener = dead.listen()
         assert await receive(dead_listener, 2) is not None

@@ -25,10 +25,16 @@ from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
-from taskiq_atomic_claim.server_info import NATIVE_CLAIM, ServerInfo
+from taskiq_atomic_claim.server_info import (
+    NATIVE_CLAIM,
+    ScriptingUnavailableError,
+    ServerInfo,
+)
 from tests.test_cli import cli
 from tests.topologies import (
     HOST,
+    NO_SCRIPTS_PASSWORD,
+    NO_SCRIPTS_USER,
     Consumer,
     DrillWorkers,
     EventLog,
@@ -39,6 +45,7 @@ from tests.topologies import (
     message,
     need,
     unexpiring_keys,
+    user_without_scripting,
     wait_replicated,
 )
 from tests.topology_app import TASK_NAME
@@ -216,6 +223,22 @@ def test_parent_arguments_keep_their_positions() -> None:
 
 
 # On the shared setup.
+
+
+@bounded(30)
+async def test_startup_refuses_a_master_that_runs_no_scripts_for_this_user(
+    sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # As the standalone broker does: at start-up, not at the first ack.
+    refused = pytest.raises(ScriptingUnavailableError, match="refused for this user")
+    with user_without_scripting([sentinels.master_port()]), refused:
+        await make_broker(
+            sentinels,
+            "noscripts",
+            "refused",
+            username=NO_SCRIPTS_USER,
+            password=NO_SCRIPTS_PASSWORD,
+        )
 
 
 @on_both("sentinels")

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -541,6 +541,25 @@ def wait_replicated(primary: int, replicas: list[int], timeout: float = 10.0) ->
         ),
         timeout,
     )
+
+
+# A user who may do anything but run scripts (what a managed service that
+# forbids them looks like to a worker), on every node of a topology.
+NO_SCRIPTS_USER, NO_SCRIPTS_PASSWORD = "noscripts", "pw"
+
+
+@contextlib.contextmanager
+def user_without_scripting(ports: list[int]) -> Iterator[None]:
+    rule = ["reset", "on", f">{NO_SCRIPTS_PASSWORD}", "~*", "+@all", "-@scripting"]
+    for port in ports:
+        with _client(port) as client:
+            client.execute_command("ACL", "SETUSER", NO_SCRIPTS_USER, *rule)
+    try:
+        yield
+    finally:
+        for port in ports:
+            with _client(port) as client:
+                client.execute_command("ACL", "DELUSER", NO_SCRIPTS_USER)
 
 
 def unexpiring_keys(ports: list[int]) -> list[str]:
