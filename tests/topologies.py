@@ -731,9 +731,12 @@ class Consumer:
                 await asyncio.create_task(
                     start_as_the_receiver_does(self.broker, received)
                 )
-            self.received.append((time.monotonic(), _text(received.data)))
+            arrived = time.monotonic()
             if self.ack:
                 await received.ack()
+            # Recorded once acked: a test that stops the consumer as soon as
+            # wait_for() returns must not cancel the last ack.
+            self.received.append((arrived, _text(received.data)))
 
     @property
     def bodies(self) -> list[str]:
