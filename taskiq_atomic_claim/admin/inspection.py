@@ -107,10 +107,10 @@ class Inspection:
     truncated: bool = False
 
 
-async def server_version(client: Any) -> str:
-    """``redis_version``: the compatibility level ACL rules key on (Valkey
-    reports 7.2.4 there). ``ServerInfo`` has the real product and version."""
-    info = await client.execute_command("INFO", "server")
+def redis_version(info: Any) -> str:
+    """``redis_version`` of an ``INFO server`` reply: the compatibility level
+    ACL rules key on (Valkey reports 7.2.4 there). ``ServerInfo.from_info``
+    has the real product and version."""
     return str(info.get("redis_version", "unknown")) if isinstance(info, dict) else "?"
 
 

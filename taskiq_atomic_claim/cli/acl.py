@@ -7,13 +7,10 @@ import asyncio
 from typing import Any
 
 from taskiq_atomic_claim.admin.acl import worker_acl_rule
-from taskiq_atomic_claim.admin.inspection import server_version
+from taskiq_atomic_claim.admin.inspection import redis_version
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.cli.servers import ConnectionOptions, connected
-from taskiq_atomic_claim.server_info import (
-    AckedDeletionUnavailableError,
-    read_server_info,
-)
+from taskiq_atomic_claim.server_info import AckedDeletionUnavailableError, ServerInfo
 
 
 def add_parser(commands: Any) -> None:
@@ -97,8 +94,9 @@ async def _acl(
 ) -> int:
     if options is not None:
         async with connected(options) as client:
-            version = await server_version(client)
-            server = await read_server_info(client)
+            info = await client.execute_command("INFO", "server")
+        version = redis_version(info)
+        server = ServerInfo.from_info(info)
         if delete_acked:
             # Valkey reports redis_version 7.2.4: name the real product.
             try:
