@@ -36,6 +36,7 @@ from benchmarks.config import BrokerArguments
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import read_server_info
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -85,13 +86,9 @@ class Claimer(Protocol):
     def counters(self) -> dict[str, int]: ...
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _ids(entries: list[Any]) -> list[str]:
     # Redis 6.2 puts a nil where a claimed entry was deleted from the stream.
-    return [_text(entry[0]) for entry in entries if entry]
+    return [text(entry[0]) for entry in entries if entry]
 
 
 class AtomicClaimer:
@@ -143,7 +140,7 @@ class BareClaimer:
             start_id=self.cursor,
             count=settings.batch_size,
         )
-        self.cursor = _text(reply[0])
+        self.cursor = text(reply[0])
         return CycleResult(False, _ids(reply[1]))
 
     def counters(self) -> dict[str, int]:
@@ -175,7 +172,7 @@ class LuaFloorClaimer(BareClaimer):
             self.cursor,
             settings.batch_size,
         )
-        self.cursor = _text(reply[0])
+        self.cursor = text(reply[0])
         return CycleResult(False, _ids(reply[1]))
 
 

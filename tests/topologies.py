@@ -45,6 +45,7 @@ from taskiq_atomic_claim.harness.embedded_server import (
     find_binaries,
     free_port,
 )
+from taskiq_atomic_claim.replies import text
 from tests.receiver import start_as_the_receiver_does
 
 HOST = "127.0.0.1"
@@ -518,12 +519,8 @@ class LocalSentinels(_Started):
 
 def _flat_to_dict(flat: Any) -> dict[str, str]:
     if isinstance(flat, dict):
-        return {_text(k): _text(v) for k, v in flat.items()}
-    return {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        return {text(k): text(v) for k, v in flat.items()}
+    return {text(k): text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
 
 
 # Shared by the Cluster and Sentinel tests.
@@ -569,7 +566,7 @@ def unexpiring_keys(ports: list[int]) -> list[str]:
         with _client(port) as client:
             for key in client.scan_iter(count=1000):
                 if client.type(key) != b"stream" and client.pttl(key) == -1:
-                    found.append(f"{port}:{_text(key)}")
+                    found.append(f"{port}:{text(key)}")
     return found
 
 
@@ -736,7 +733,7 @@ class Consumer:
                 await received.ack()
             # Recorded once acked: a test that stops the consumer as soon as
             # wait_for() returns must not cancel the last ack.
-            self.received.append((arrived, _text(received.data)))
+            self.received.append((arrived, text(received.data)))
 
     @property
     def bodies(self) -> list[str]:
