@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -16,8 +16,8 @@ from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
 
-@dataclass(frozen=True)
-class ClaimedEntry:
+class ClaimedEntry(NamedTuple):
+    # A tuple, not a dataclass: ten or more are built per claim, on the hot path.
     id: str
     fields: dict[bytes, bytes]
 
@@ -45,12 +45,14 @@ def _as_bytes(value: Any) -> bytes:
 
 
 def _fields(flat: list[Any]) -> dict[bytes, bytes]:
-    # Clients without decode_responses (the brokers') get bytes already:
-    # no per-field conversion on the claim's hot path.
-    if all(isinstance(item, bytes) for item in flat):
-        return dict(zip(flat[::2], flat[1::2], strict=True))
-    pairs = zip(flat[::2], flat[1::2], strict=True)
-    return {_as_bytes(k): _as_bytes(v) for k, v in pairs}
+    pairs = iter(flat)
+    fields = dict(zip(pairs, pairs, strict=True))
+    # Clients without decode_responses (the brokers') get bytes already: no
+    # per-field conversion on the claim's hot path.
+    for key, value in fields.items():
+        if type(key) is not bytes or type(value) is not bytes:
+            return {_as_bytes(k): _as_bytes(v) for k, v in fields.items()}
+    return fields
 
 
 def _parse(reply: list[Any]) -> ClaimOutcome:

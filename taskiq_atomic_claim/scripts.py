@@ -322,7 +322,9 @@ class ScriptRunner:
         keys: Sequence[str],
         args: Sequence[str | int],
     ) -> ReplyT:
-        if await self.mode(client) is LoadMode.FUNCTIONS:
+        # The server is read once; every call after that costs no await.
+        server = self._server or await self.server(client)
+        if server.functions:
             command = ("FCALL", self.library.function_name(operation.name))
         else:
             command = ("EVALSHA", self.library.scripts[operation.name].sha)

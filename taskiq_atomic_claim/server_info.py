@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
@@ -66,7 +67,8 @@ class ServerInfo:
     def name(self) -> str:
         return f"{self.product} {self.version}"
 
-    @property
+    # Parsed once: every script call asks whether the server has functions.
+    @cached_property
     def version_tuple(self) -> tuple[int, int, int] | None:
         match = _NUMERIC.match(self.version)
         if match is None:
