@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisClusterException, ResponseError
@@ -32,6 +33,7 @@ from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
 from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
 
 
@@ -211,6 +213,19 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             (f"primary {node.host}:{node.port}", OneNodeClient(self.redis, node))
             for node in self.redis.get_primaries()
         ]
+
+    async def require_scripting(self) -> None:
+        """Startup: refuse, naming it, a primary where this user runs no
+        scripts (every ack on its slots would fail), probing each as the
+        broker will call it: FCALL, or EVALSHA when the oldest primary
+        (``SlotRoutedClient``'s INFO) is 6.2."""
+        async with self._connection() as client:
+            self.server = await self.scripts.probe_server(client)
+            for where, node in self._servers(client):
+                problem = await probe_scripting(node, self.server.functions)
+                if problem:
+                    found = await read_server_info(node)
+                    replace(found, scripting_problem=problem).require_scripting(where)
 
     async def startup(self) -> None:
         """Create the groups and check the stream keys, as the standalone

@@ -52,9 +52,8 @@ class NativeReads:
     # stream's PEL it goes on.
     _next_sweep: float
     _sweep_from: dict[str, str]
-    # Whether this connection's reads reclaim; None until chosen.
-    _path_chosen: bool | None
-    # The server the path was chosen for; None until this listen() chose.
+    # The server this listen() last took its path for; None before its
+    # first call.
     _chosen_on: ServerInfo | None
 
     @property
@@ -68,7 +67,6 @@ class NativeReads:
         self.server = None
         self._next_sweep = time.monotonic() + self.claim_settings.idle_timeout / 1000
         self._sweep_from = {}
-        self._path_chosen = None
         self._chosen_on = None
 
     async def learn_server(self, client: Any) -> ServerInfo:
@@ -170,15 +168,10 @@ class NativeReads:
             self._next_sweep = time.monotonic()
 
     async def _reads_reclaim_on(self, client: Any) -> bool:
-        """Whether reads reclaim on this connection: chosen once, at its
-        first call that works."""
-        if self._path_chosen is None:
-            self._path_chosen = await self._choose_path(client)
-        return self._path_chosen
-
-    async def _choose_path(self, client: Any) -> bool:
-        """Whether this connection's reads reclaim; logged once, and again
-        if the server turns out to have changed."""
+        """Whether this connection's reads reclaim, for the server as last
+        read (INFO at the first call and after ``choose_path_again``, the
+        runner's cache otherwise); logged at the first call, and again if
+        the server turns out to have changed."""
         chosen_on = self._chosen_on
         server = self._chosen_on = await self.learn_server(client)
         if chosen_on is None:
@@ -203,7 +196,6 @@ class NativeReads:
         for it. After a reconnect, or a command refused as a usage error,
         the server behind the URL may be another (a restart on an older
         binary, a failover to another replica)."""
-        self._path_chosen = None
         self.scripts.forget_server()
 
     async def server_changed(self, client: Any) -> bool:

@@ -235,8 +235,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         self._track_starts()
         self._start_heartbeat()
         self._claim_due = dict.fromkeys(self.streams, time.monotonic())
-        self._path_chosen = None  # chosen at the connection's first call
-        self._chosen_on = None
+        self._chosen_on = None  # the path is logged at its first call
 
     def _track_starts(self) -> None:
         """Learn which entry each task comes from and when it starts: wrap

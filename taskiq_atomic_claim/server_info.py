@@ -120,13 +120,15 @@ class ServerInfo:
             return "MAXLEN ACKED (trims only entries every group acked)"
         return "MAXLEN (trims pending entries too)"
 
-    def require_scripting(self) -> None:
-        """Raise, saying why, when this server runs no scripts for us."""
+    def require_scripting(self, where: str = "") -> None:
+        """Raise, saying why, when this server runs no scripts for us;
+        ``where`` names it among several (a cluster's primaries)."""
         if self.scripting_problem:
             # Even where the read reclaims (native CLAIM), acks, start counts
             # and heartbeats are scripts.
+            at = f" ({where})" if where else ""
             raise ScriptingUnavailableError(
-                f"{self.name} cannot run this package's scripts:"
+                f"{self.name}{at} cannot run this package's scripts:"
                 f" {self.scripting_problem}. The broker needs server-side"
                 " scripting (FCALL on Redis/Valkey >= 7, EVALSHA on 6.2) for"
                 " acks, start counts, heartbeats and, before Redis 8.4, the"

@@ -481,3 +481,14 @@ def test_delete_acked_is_refused_for_a_server_version_without_xackdel(
     assert accepted.returncode == 0, accepted.stderr
     assert "+xackdel" in accepted.stdout.split()
     assert "+xackdel" not in acl_command("--server-version", "8.2").stdout.split()
+
+
+def test_delete_acked_without_a_version_says_the_refused_version_was_a_default() -> (
+    None
+):
+    printed = acl_command("--delete-acked")
+    assert printed.returncode == 2
+    assert printed.stderr.count("\n") == 1, printed.stderr
+    assert "Redis >= 8.2" in printed.stderr
+    assert "default" in printed.stderr and "7.2" in printed.stderr, printed.stderr
+    assert "--url" in printed.stderr and "--server-version" in printed.stderr

@@ -230,6 +230,27 @@ async def test_startup_refuses_a_cluster_that_runs_no_scripts_for_this_user(
         )
 
 
+@bounded(60)
+async def test_startup_refuses_a_cluster_where_one_primary_runs_no_scripts(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    # Every ack on that primary's slots would fail: refused at start-up,
+    # naming the node, whichever primary it is.
+    credentials = f"{NO_SCRIPTS_USER}:{NO_SCRIPTS_PASSWORD}@"
+    url = cluster.url.replace("redis://", f"redis://{credentials}", 1)
+    ports = [node.port for node in cluster.nodes]
+    for denying in cluster.primaries:
+        others = [port for port in ports if port != denying.port]
+        refused = pytest.raises(
+            ScriptingUnavailableError, match="refused for this user"
+        )
+        with user_without_scripting(ports, scripting_on=others), refused as caught:
+            await make_broker(
+                cluster, spread_streams(cluster, "onenode"), "refused", url=url
+            )
+        assert f"(primary {HOST}:{denying.port})" in str(caught.value), caught.value
+
+
 @bounded(30)
 async def test_upstream_broker_cannot_even_read_streams_in_different_slots(
     cluster: LocalCluster,

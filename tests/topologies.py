@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -546,11 +546,16 @@ NO_SCRIPTS_USER, NO_SCRIPTS_PASSWORD = "noscripts", "pw"
 
 
 @contextlib.contextmanager
-def user_without_scripting(ports: list[int]) -> Iterator[None]:
-    rule = ["reset", "on", f">{NO_SCRIPTS_PASSWORD}", "~*", "+@all", "-@scripting"]
+def user_without_scripting(
+    ports: list[int], scripting_on: Collection[int] = ()
+) -> Iterator[None]:
+    """The user on every node of ``ports``; it may run scripts on those of
+    ``scripting_on`` (none by default)."""
+    rule = ["reset", "on", f">{NO_SCRIPTS_PASSWORD}", "~*", "+@all"]
     for port in ports:
+        scripting = [] if port in scripting_on else ["-@scripting"]
         with _client(port) as client:
-            client.execute_command("ACL", "SETUSER", NO_SCRIPTS_USER, *rule)
+            client.execute_command("ACL", "SETUSER", NO_SCRIPTS_USER, *rule, *scripting)
     try:
         yield
     finally:

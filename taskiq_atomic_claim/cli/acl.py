@@ -12,6 +12,9 @@ from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.cli.servers import ConnectionOptions, connected
 from taskiq_atomic_claim.server_info import AckedDeletionUnavailableError, ServerInfo
 
+# The rule printed when neither --url nor --server-version says the version.
+DEFAULT_SERVER_VERSION = "7.2"
+
 
 def add_parser(commands: Any) -> None:
     acl = commands.add_parser(
@@ -21,7 +24,10 @@ def add_parser(commands: Any) -> None:
         " and group. Give --url to read the server version, or --server-version.",
     )
     acl.add_argument("--url", help="read the server version from this server")
-    acl.add_argument("--server-version", help="e.g. 6.2, 7.0, 7.2 (default 7.2)")
+    acl.add_argument(
+        "--server-version",
+        help=f"e.g. 6.2, 7.0, 7.2 (default {DEFAULT_SERVER_VERSION})",
+    )
     acl.add_argument(
         "--queue",
         type=valid_name("--queue"),
@@ -103,7 +109,16 @@ async def _acl(
                 server.require_acked_deletion()
             except AckedDeletionUnavailableError as error:
                 raise CommandError(str(error)) from None
-    version = version or "7.2"
+    if version is None:
+        if delete_acked:
+            # The refused version is one the user never gave: say so.
+            raise CommandError(
+                "--delete-acked needs XACKDEL (Redis >= 8.2), and with neither"
+                " --url nor --server-version given the server version defaults"
+                f" to {DEFAULT_SERVER_VERSION}, which has none: give --url to read"
+                " the server's version, or --server-version"
+            )
+        version = DEFAULT_SERVER_VERSION
     try:
         rule = worker_acl_rule(
             streams,
