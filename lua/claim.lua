@@ -30,9 +30,10 @@
   Returns one reply per stream, in KEYS order, each one of
     {"skipped", holder, lease_pttl_ms}
         another consumer holds the lease; nothing was claimed.
-    {"claimed", next_cursor, {{id, {field, value, ...}}, ...}, {trimmed_id, ...},
-     {dead_lettered_id, ...}, full}
-        entries now owned by ARGV[2]; trimmed ids were pending but their
+    {"claimed", next_cursor, {{id, {field, value, ...}, crashes}, ...},
+     {trimmed_id, ...}, {dead_lettered_id, ...}, full}
+        entries now owned by ARGV[2], each with its crashes (starts in
+        workers that died running it; left out when ARGV[6] is 0); trimmed ids were pending but their
         stream entry is gone (trimmed or XDEL'd) and were removed from the PEL;
         dead-lettered ids reached max_deliveries crashes, were copied to the
         dead letters and acked (with ARGV[7] "1" also deleted from the
@@ -122,6 +123,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
         redis.call("HDEL", started, entry[1])
         dead_lettered[#dead_lettered + 1] = entry[1]
       else
+        entry[3] = crash_count
         claimed[#claimed + 1] = entry
       end
     end

@@ -20,6 +20,8 @@ class ClaimedEntry(NamedTuple):
     # A tuple, not a dataclass: ten or more are built per claim, on the hot path.
     id: str
     fields: dict[bytes, bytes]
+    # Starts in workers that died running it (counted when max_deliveries > 0).
+    crashes: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,10 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
         )
     return ClaimOutcome(
         skipped=False,
-        entries=[ClaimedEntry(text(i), _fields(flat)) for i, flat in reply[2]],
+        entries=[
+            ClaimedEntry(text(entry[0]), _fields(entry[1]), *entry[2:3])
+            for entry in reply[2]
+        ],
         trimmed=[text(entry_id) for entry_id in reply[3]],
         dead_lettered=[text(entry_id) for entry_id in reply[4]],
         next_cursor=text(reply[1]),

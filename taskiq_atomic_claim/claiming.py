@@ -130,6 +130,9 @@ class Claiming:
                 self._claim_error = error
                 break
             for stream, outcome in zip(group, outcomes, strict=True):
+                for entry in outcome.entries:
+                    # Held from here with its crashes (see suspects.py).
+                    self.in_flight.add(stream, [entry.id], entry.crashes)
                 batch += [(stream, e.id, e.fields) for e in outcome.entries]
                 if outcome.full or outcome.next_cursor != "0-0":
                     # A backlog, or a scan cut short at 10 x COUNT: go on.

@@ -9,6 +9,13 @@ from taskiq_atomic_claim.operations import DEAD_LETTER
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 
+_REASON_LIMIT = 200
+
+
+def bounded_reason(reason: str) -> str:
+    """A reason short enough to store with every dead letter."""
+    return reason if len(reason) <= _REASON_LIMIT else reason[: _REASON_LIMIT - 1] + "…"
+
 
 async def move_to_dead_letters(
     runner: ScriptRunner,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.dead_letters import bounded_reason, move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
@@ -49,7 +49,6 @@ SCRIPT_BATCH = 1000
 # A start count lives at least this long after its last write (ms); if it
 # lapses only crash counts reset, no entry is lost.
 MIN_STARTED_TTL_MS = 24 * 3600 * 1000
-_REASON_LIMIT = 200
 
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 
@@ -83,6 +82,8 @@ class Delivery:
     unparsable: str | None = None
     # The task name this worker does not know; its "ack" declines it.
     unknown_task: str | None = None
+    # Starts in workers that died running it, as the claim that took it saw.
+    crashes: int = 0
 
     def dropped_by_receiver(self) -> bool:
         """Its callback ended, neither acked (else it would be gone) nor
@@ -118,10 +119,11 @@ class InFlight:
 
     # The held set, per stream.
 
-    def add(self, stream: str, entry_ids: Iterable[str]) -> None:
+    def add(self, stream: str, entry_ids: Iterable[str], crashes: int = 0) -> None:
         now = time.monotonic()
         for entry_id in entry_ids:
-            self._held.setdefault((stream, entry_id), Delivery(stream, entry_id, now))
+            delivery = Delivery(stream, entry_id, now, crashes=crashes)
+            self._held.setdefault((stream, entry_id), delivery)
 
     def holds(self, stream: str, entry_id: str) -> bool:
         return (stream, entry_id) in self._held
@@ -387,10 +389,6 @@ class InFlight:
                 self.metrics.add("handed_back", stream, len(chunk) - len(lost))
         self.clear()
         return handed
-
-
-def bounded_reason(reason: str) -> str:
-    return reason if len(reason) <= _REASON_LIMIT else reason[: _REASON_LIMIT - 1] + "…"
 
 
 def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:

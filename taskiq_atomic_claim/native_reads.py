@@ -19,6 +19,7 @@ from typing import Any
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.operations import DROP_TRIMMED
@@ -46,6 +47,7 @@ class NativeReads:
     claim_settings: ClaimSettings
     scripts: ScriptRunner
     metrics: ReclaimMetrics
+    in_flight: InFlight
     # What the server can do, once read (startup, or the first read).
     server: ServerInfo | None
     # Where reads reclaim: when drop_trimmed runs next, and where in each
@@ -228,27 +230,31 @@ class NativeReads:
             keys = StreamKeys(stream, self.consumer_group_name)
             counts = await client.execute_command("HMGET", keys.started, *ids)
             for entry_id, count in zip(ids, counts, strict=True):
-                if count is not None and int(count) >= max_deliveries:
-                    # Recorded as the Lua claim does: the crashes that counted.
-                    await move_to_dead_letters(
-                        self.scripts,
-                        client,
-                        keys,
-                        entry_id,
-                        _MAX_DELIVERIES_EXCEEDED,
-                        delete_acked=self.claim_settings.delete_acked,
-                        deliveries=int(count),
-                    )
-                    poisoned.add((stream, entry_id))
-                    self.metrics.add("dead_lettered", stream)
-                    logger.error(
-                        "Entry %s of stream %r started %d times in workers that"
-                        " died running it and was moved to dead letters %r",
-                        entry_id,
-                        stream,
-                        max_deliveries,
-                        keys.dead_letters,
-                    )
+                crashes = int(count or 0)
+                if crashes < max_deliveries:
+                    # Held from here with its crashes (see suspects.py).
+                    self.in_flight.add(stream, [entry_id], crashes)
+                    continue
+                # Recorded as the Lua claim does: the crashes that counted.
+                await move_to_dead_letters(
+                    self.scripts,
+                    client,
+                    keys,
+                    entry_id,
+                    _MAX_DELIVERIES_EXCEEDED,
+                    delete_acked=self.claim_settings.delete_acked,
+                    deliveries=crashes,
+                )
+                poisoned.add((stream, entry_id))
+                self.metrics.add("dead_lettered", stream)
+                logger.error(
+                    "Entry %s of stream %r started %d times in workers that"
+                    " died running it and was moved to dead letters %r",
+                    entry_id,
+                    stream,
+                    max_deliveries,
+                    keys.dead_letters,
+                )
         return [
             (stream, entry_id, fields)
             for stream, entry_id, fields, _ in read

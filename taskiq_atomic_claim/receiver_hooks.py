@@ -10,7 +10,9 @@ from taskiq import TaskiqMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.message import BrokerMessage
 
-from taskiq_atomic_claim.in_flight import Connect, InFlight, bounded_reason
+from taskiq_atomic_claim.dead_letters import bounded_reason
+from taskiq_atomic_claim.in_flight import Connect, InFlight
+from taskiq_atomic_claim.suspects import OneSuspectAtATime
 
 
 class EntryAwareFormatter(TaskiqFormatter):
@@ -50,15 +52,18 @@ class EntryAwareFormatter(TaskiqFormatter):
 
 
 class StartRecorder(TaskiqMiddleware):
-    """Records each task's start on the server before the task runs."""
+    """Records each task's start on the server before the task runs; a task
+    that crashed workers before waits until no other such task runs here."""
 
     def __init__(self, in_flight: InFlight, connect: Connect) -> None:
         super().__init__()
         self.in_flight = in_flight
         self.connect = connect
+        self.suspects = OneSuspectAtATime(in_flight.settings.max_deliveries)
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
         delivery = self.in_flight.of_current_task()
         if delivery is not None:
+            await self.suspects.wait_turn(delivery)
             await self.in_flight.record_start(self.connect, delivery)
         return message
