@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -95,6 +96,15 @@ def logged(tmp_path: Path, *texts: str) -> bool:
     )
 
 
+def assert_alive(workers: list[Worker], reports: Path) -> None:
+    """Both workers run, and neither's worker process died: taskiq starts a
+    new one, which reports ready again."""
+    assert [w.process.poll() for w in workers] == [None, None], "a worker exited"
+    lines = reports.read_text(encoding="utf-8").splitlines()
+    ready = Counter(line.split(" ")[2] for line in lines if line.startswith("ready "))
+    assert ready == {"w0": 1, "w1": 1}, "a worker process died and was restarted"
+
+
 async def assert_settled(redis: Redis, queue: str) -> None:
     """Nothing pending, nothing dead-lettered."""
     assert (await redis.xpending(queue, GROUP))["pending"] == 0
@@ -135,6 +145,7 @@ async def test_tasks_finishing_while_demoted_run_once_and_their_acks_land(
         finished_while_demoted = set(reported(reports, "finished"))
         pending_while_demoted = (await redis.xpending(queue, GROUP))["pending"]
     promoted = time.monotonic()
+    assert_alive(workers, reports)
     assert finished_while_demoted >= runs, "not finished while demoted"
     assert pending_while_demoted == len(runs), "acks not refused while demoted"
     # An ack that gave up would leave its entry pending.
@@ -145,7 +156,7 @@ async def test_tasks_finishing_while_demoted_run_once_and_their_acks_land(
     assert await until(lambda: set(reported(reports, "finished")) >= after, 15)
     # Long enough for an entry a worker stopped holding to be run again.
     await asyncio.sleep(max(0.0, promoted + RECLAIM_S - time.monotonic()))
-    assert [w.process.poll() for w in workers] == [None, None], "a worker died"
+    assert_alive(workers, reports)
     started = reported(reports, "started")
     assert {run: n for run, n in started.items() if n != 1} == {}, "ran twice"
     assert set(started) == runs | after
@@ -196,7 +207,7 @@ async def test_kicks_refused_while_demoted_never_run_the_accepted_run_once(
     assert accepted, "no kick accepted"
     assert await until(lambda: set(reported(reports, "finished")) >= set(accepted), 15)
     await asyncio.sleep(max(0.0, promoted + RECLAIM_S - time.monotonic()))
-    assert [w.process.poll() for w in workers] == [None, None], "a worker died"
+    assert_alive(workers, reports)
     started = reported(reports, "started")
     assert {run: n for run, n in started.items() if n != 1} == {}, "ran twice"
     assert set(started) == set(accepted), "a refused kick ran"
