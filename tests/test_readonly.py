@@ -161,9 +161,10 @@ async def test_tasks_finishing_while_demoted_run_once_and_their_acks_land(
     assert {run: n for run, n in started.items() if n != 1} == {}, "ran twice"
     assert set(started) == runs | after
     await assert_settled(redis, queue)
-    # The fault reached them: heartbeats and acks were refused.
-    assert logged(tmp_path, "heartbeat ", "not a primary")
-    assert logged(tmp_path, "acks of consumer ", "not a primary")
+    # The fault reached them: heartbeats and acks failed. (How the first
+    # failure of an outage reads varies: a demotion may close connections.)
+    assert logged(tmp_path, "heartbeat ", "retrying with backoff")
+    assert logged(tmp_path, "acks of consumer ", "retrying with backoff")
 
 
 async def test_kicks_refused_while_demoted_never_run_the_accepted_run_once(
