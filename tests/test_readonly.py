@@ -129,6 +129,7 @@ async def test_tasks_finishing_while_demoted_run_once_and_their_acks_land(
     kicker: AtomicRedisStreamBroker,
     tmp_path: Path,
 ) -> None:
+    assert HEARTBEAT_S < DEMOTED_S < ACK_PATIENCE_S, "the settings miss the point"
     reports = tmp_path / "reports"
     runs = {f"job-{n}" for n in range(SLOTS)}
     for run_id in sorted(runs):
