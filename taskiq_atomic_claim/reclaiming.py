@@ -380,9 +380,14 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
                         if not is_outage(error):
                             raise
                         delay = self._ack_backoff.failed(error)
-                        if time.monotonic() + delay > give_up:
+                        remaining = give_up - time.monotonic()
+                        if remaining <= 0:
                             return
-                        await asyncio.sleep(delay)
+                        # The last try at the deadline, not up to a delay
+                        # before it: acks share one backoff, so several
+                        # failing at once reach its cap in a few tries, and
+                        # a shorter outage would drop acks (tasks run again).
+                        await asyncio.sleep(min(delay, remaining))
                     else:
                         self._ack_backoff.succeeded()
                         return

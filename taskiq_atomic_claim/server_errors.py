@@ -74,9 +74,11 @@ _CODE_FAULTS = {
 }
 # Redis 6.2: "ERR Error running script (call to f_...): @user_script:1:
 # @user_script: 1: -OOM command not allowed ..." (a refused command) or
-# "... @user_script:77: NOGROUP No such key ..." (a command's error reply).
+# "... @user_script:77: NOGROUP No such key ..." (a command's error reply);
+# a refused command under pcall, as the script returns it: "@user_script:
+# 121: -READONLY You can't write ..." (claim.lua's "failed" reply).
 _SCRIPT_INNER_CODE = re.compile(
-    r"^Error running script \(.*?\): (?:@user_script: ?\d+: )+-?([A-Z]+) "
+    r"^(?:Error running script \(.*?\): )?(?:@user_script: ?\d+: )+-?([A-Z]+) "
 )
 # Client-side errors of redis-py's cluster client that mean "no node serves
 # this now" (as opposed to usage errors such as keys in different slots).

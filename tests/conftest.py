@@ -94,6 +94,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_crash_drill",
         "test_faults",
         "test_oom",
+        "test_readonly",
         "test_started_semantics",
     }
 )

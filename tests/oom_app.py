@@ -1,7 +1,8 @@
-"""A taskiq app for tests/test_oom.py, run by ``taskiq worker``.
+"""A taskiq app for tests/test_oom.py and tests/test_readonly.py, run by
+``taskiq worker``.
 
 Its task reports each start and end to a file, not to the server: out of
-memory, the server refuses the writes a report would need.
+memory or demoted, the server refuses the writes a report would need.
 """
 
 from __future__ import annotations

@@ -45,6 +45,35 @@ def ready_workers(reports: Path) -> set[str]:
     return {line.split(" ")[2] for line in lines if line.startswith("ready ")}
 
 
+def app_worker(
+    server: Server,
+    queue: str,
+    reports: Path,
+    name: str,
+    idle_ms: int,
+    *args: str,
+) -> Worker:
+    """A ``taskiq worker`` of ``tests.oom_app``, logging to ``<name>.log``
+    beside ``reports``."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TAC_TEST_URL": server.url,
+        "TAC_TEST_QUEUE": queue,
+        "TAC_TEST_WORKER": name,
+        "TAC_TEST_REPORTS": str(reports),
+        "TAC_TEST_IDLE_TIMEOUT": str(idle_ms),
+        "TAC_TEST_CLAIM_INTERVAL": str(INTERVAL_MS),
+    }
+    return Worker(env, reports.parent / f"{name}.log", args, APP)
+
+
+async def kick(kicker: AtomicRedisStreamBroker, run_id: str, seconds: float) -> None:
+    """Kick a task of ``tests.oom_app`` that runs ``seconds``."""
+    task: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, kicker, {})
+    await task.kiq(run_id, seconds)
+
+
 async def until(check: Any, seconds: float) -> bool:
     """Poll ``check()`` until true or ``seconds`` passed (bounded)."""
     deadline = time.monotonic() + seconds
@@ -62,30 +91,15 @@ async def test_workers_finish_their_tasks_out_of_memory_each_once(
     reports = tmp_path / "reports"
     await redis.xgroup_create(queue, "taskiq", id="0", mkstream=True)
     kicker = AtomicRedisStreamBroker(server.url, queue_name=queue)
-
-    async def kick(run_id: str) -> None:
-        task: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, kicker, {})
-        await task.kiq(run_id, TASK_S)
-
     runs = {f"job-{n}" for n in range(6)}
     workers: list[Worker] = []
     try:
         for name in ("w0", "w1"):
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "TAC_TEST_URL": server.url,
-                "TAC_TEST_QUEUE": queue,
-                "TAC_TEST_WORKER": name,
-                "TAC_TEST_REPORTS": str(reports),
-                "TAC_TEST_IDLE_TIMEOUT": str(IDLE_MS),
-                "TAC_TEST_CLAIM_INTERVAL": str(INTERVAL_MS),
-            }
-            log = tmp_path / f"{name}.log"
-            workers.append(Worker(env, log, ("--max-async-tasks", "2"), APP))
+            args = ("--max-async-tasks", "2")
+            workers.append(app_worker(server, queue, reports, name, IDLE_MS, *args))
         assert await until(lambda: len(ready_workers(reports)) == 2, 60)
         for run_id in sorted(runs):
-            await kick(run_id)
+            await kick(kicker, run_id, TASK_S)
         async with out_of_memory(redis):
             # Four slots: two rounds of TASK_S, with a margin.
             finished = await until(
@@ -99,7 +113,7 @@ async def test_workers_finish_their_tasks_out_of_memory_each_once(
         assert finished, f"not run out of memory: {sorted(not_run)}"
         # A task left pending would be reclaimed and run again by now.
         await asyncio.sleep(3 * IDLE_MS / 1000 + 1)
-        await kick("after-oom")
+        await kick(kicker, "after-oom", TASK_S)
         assert await until(lambda: "after-oom" in reported(reports, "finished"), 30)
     finally:
         for worker in workers:
