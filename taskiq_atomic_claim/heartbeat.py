@@ -17,10 +17,10 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
-    UNREACHABLE,
     raise_if_cancel_was_swallowed,
     within,
 )
+from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -120,8 +120,17 @@ class Heartbeating:
         try:
             async with self._connection() as client:
                 handed = await self.in_flight.hand_back(client)
-        except UNREACHABLE as error:
-            logger.warning("Could not hand back %d entries: %s", held, error)
+        except Exception as error:
+            # Unreachable, demoted (a failover under the shutdown) or busy:
+            # the entries stay ours and are reclaimed after idle_timeout.
+            if not is_outage(error):
+                raise
+            logger.warning(
+                "Could not hand back %d entries (others reclaim them after"
+                " idle_timeout): %s",
+                held,
+                error,
+            )
             return 0
         logger.info("Handed back %d unacked deliveries", handed)
         return handed

@@ -215,6 +215,23 @@ async def test_the_heartbeat_survives_an_error_reply(
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+async def test_a_shutdown_that_cannot_hand_back_logs_it_and_raises_nothing(
+    workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    broker = await workers.start(consumer_name="leaving")
+    await broker.kick(message("held"))
+    assert await asyncio.wait_for(workers.next_message(broker), 5) is not None
+    caplog.set_level(logging.WARNING, LOGGER)
+    async with FAULTS[fault](redis):
+        await broker.shutdown()  # raises nothing
+    lines = [r.getMessage() for r in caplog.records if "hand back" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    # Still pending, owned by the leaver: reclaimed once idle_timeout passed.
+    [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+    assert entry["consumer"] == b"leaving"
+
+
 async def test_out_of_memory_does_not_end_listen(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
