@@ -19,7 +19,11 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.harness.soak import durable_server, run_soak
-from taskiq_atomic_claim.harness.soak_accounting import SoakReport
+from taskiq_atomic_claim.harness.soak_accounting import (
+    Letter,
+    SoakReport,
+    judge_dead_letters,
+)
 from tests.conftest import _BINARIES, Server
 from tests.test_broker import message
 
@@ -40,6 +44,71 @@ def check(report: SoakReport) -> None:
     assert report.left_pending == 0, lines
     assert report.duplicates <= report.in_flight_at_kills + report.resent_kicks, lines
     assert report.ok, lines
+
+
+MAX = 3  # max_deliveries in the crafted runs below
+POISONED = Letter("p0", "max_deliveries exceeded", MAX)
+
+
+def judged(letters: list[Letter], started_in: dict[str, list[str]]) -> SoakReport:
+    """A soak that otherwise passed, judged on these dead letters: poison p0
+    was kicked; workers k1..k9 died (killed, or by the poison)."""
+    report = SoakReport("crafted", 10, 3, planned_kills=1, planned_graceful=1)
+    report.accepted, report.kills, report.graceful_restarts = 10, 1, 1
+    report.aof_restarts, report.max_deliveries, report.planned_poison = 1, MAX, 1
+    died = {f"k{n}" for n in range(1, 10)}
+    judge_dead_letters(report, letters, started_in, died, ["p0"])
+    return report
+
+
+def test_the_accounting_passes_a_poison_dead_lettered_after_max_deliveries() -> None:
+    report = judged([POISONED], {"p0": ["k1", "k2", "k3"], "m1": ["live"]})
+    assert (report.poison_kicked, report.poison_dead_lettered) == (1, 1)
+    assert report.poison_starts == {"p0": MAX}
+    assert report.ok, report.lines()
+
+
+@pytest.mark.parametrize(
+    ("letters", "starts"),
+    [
+        ([], ["k1", "k2", "k3"]),  # never dead-lettered
+        ([POISONED], ["k1", "k2", "k3", "k4"]),  # ran once more than allowed
+        ([POISONED], ["k1", "k2"]),  # dead-lettered early
+        ([Letter("p0", "no worker knows its task", MAX)], ["k1", "k2", "k3"]),
+    ],
+)
+def test_the_accounting_fails_a_poison_not_dead_lettered_after_max_deliveries(
+    letters: list[Letter], starts: list[str]
+) -> None:
+    report = judged(letters, {"p0": starts})
+    assert not report.ok, report.lines()
+
+
+@pytest.mark.parametrize(
+    "starts",
+    [
+        [],  # never started
+        ["k1", "k2"],  # started, fewer crashes than max_deliveries
+        ["k1", "k2", "live"],  # as often as max_deliveries, once in a live worker
+    ],
+)
+def test_an_innocent_task_in_the_dead_letters_is_lost_by_us(starts: list[str]) -> None:
+    innocent = Letter("m1", "max_deliveries exceeded", MAX)
+    report = judged([POISONED, innocent], {"p0": ["k1", "k2", "k3"], "m1": starts})
+    assert report.lost_by_us == 1, report.lines()
+    assert report.dead_never_started == (not starts)
+    assert not report.ok
+    assert any("m1" in example for example in report.examples), report.examples
+
+
+def test_an_innocent_task_that_crashed_max_deliveries_times_is_counted_apart() -> None:
+    innocent = Letter("m1", "max_deliveries exceeded", MAX)
+    report = judged(
+        [POISONED, innocent], {"p0": ["k4", "k5", "k6"], "m1": ["k1", "k2", "k3"]}
+    )
+    assert report.lost_by_us == 0, report.lines()
+    assert report.dead_innocent_crashed == 1
+    assert "m1" in "\n".join(report.examples)
 
 
 @pytest.mark.parametrize("label", list(_BINARIES))
