@@ -18,9 +18,11 @@ from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
     UNREACHABLE,
+    drop_idle_connections,
     raise_if_cancel_was_swallowed,
     within,
 )
+from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -67,9 +69,17 @@ class Heartbeating:
             raise_if_cancel_was_swallowed()
             try:
                 async with self._connection() as client:
-                    await within(
-                        REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
-                    )
+                    try:
+                        await within(
+                            REPLY_MARGIN_S * self._beat_calls,
+                            self.in_flight.beat(client),
+                        )
+                    except Exception as error:
+                        # A busy receiver parks the listen loop: then the
+                        # heartbeat is first to find the server gone.
+                        if classify(error) is Fault.UNREACHABLE:
+                            await drop_idle_connections(client)
+                        raise
             except Exception as error:
                 delay = outage.failed(error)
             else:

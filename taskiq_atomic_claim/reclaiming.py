@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
@@ -34,6 +33,7 @@ from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorde
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
+    drop_idle_connections,
     raise_if_cancel_was_swallowed,
     within,
 )
@@ -188,13 +188,12 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     ) -> bool:
         """After a failed call of listen(): wait as the fault needs, raise a
         usage error. True when the consumer group is gone."""
-        pool = getattr(client, "connection_pool", None)
-        if isinstance(error, asyncio.TimeoutError | RedisTimeoutError) and pool:
-            # No reply within our bound: the connection was half-open, and
-            # the idle ones in the pool most likely are too. Without this
-            # the retries would find them one bound at a time.
-            await pool.disconnect(inuse_connections=False)
         fault = classify(error)
+        if fault is Fault.UNREACHABLE:
+            # The idle connections in the pool most likely went with this
+            # one (restart, half-open). Without this the retries, and every
+            # other call, would find them one at a time.
+            await drop_idle_connections(client)
         if fault is Fault.GROUP_MISSING:
             if group_gone:
                 # Recreating it did not help (say mkstream=False and no

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -30,6 +30,20 @@ async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
         async with asyncio.timeout(seconds):
             return await awaitable
     return await asyncio.wait_for(awaitable, seconds)
+
+
+async def drop_idle_connections(client: Any) -> None:
+    """Close the idle connections of ``client``'s pool once the server was
+    found unreachable: they went with it (a restart, a half-open network).
+
+    redis-py 8 hands out pooled connections unchecked (RESP3, maintenance
+    notifications "auto"): each would fail the next call made on it, and a
+    call not retried, a task's start, would be lost. A Cluster client has
+    no pool of its own and handles its nodes itself.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect(inuse_connections=False)
 
 
 def raise_if_cancel_was_swallowed() -> None:
