@@ -22,7 +22,6 @@ from taskiq_atomic_claim.server_calls import (
     raise_if_cancel_was_swallowed,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -69,18 +68,13 @@ class Heartbeating:
             raise_if_cancel_was_swallowed()
             try:
                 async with self._connection() as client:
-                    try:
-                        await within(
-                            REPLY_MARGIN_S * self._beat_calls,
-                            self.in_flight.beat(client),
-                        )
-                    except Exception as error:
-                        # A busy receiver parks the listen loop: then the
-                        # heartbeat is first to find the server gone.
-                        if classify(error) is Fault.UNREACHABLE:
-                            await drop_idle_connections(client)
-                        raise
+                    await within(
+                        REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
+                    )
             except Exception as error:
+                # A busy receiver parks the listen loop: then the heartbeat
+                # may be first to find the server gone.
+                await drop_idle_connections(self._connection, error)
                 delay = outage.failed(error)
             else:
                 outage.succeeded()

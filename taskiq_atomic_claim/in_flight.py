@@ -36,6 +36,7 @@ from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_calls import drop_idle_connections
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.unknown_tasks import (
     call_decline,
@@ -216,6 +217,8 @@ class InFlight:
                     for stream, waiting in batches.items():
                         await self._call_start(client, stream, waiting)
             except BaseException as error:
+                # One start lost to a connection the server closed is enough.
+                await drop_idle_connections(connect, error)
                 # Never leave a task waiting to start: a cancelled flush
                 # (loop shutting down) fails its waiters as well.
                 failure = (

@@ -188,12 +188,11 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     ) -> bool:
         """After a failed call of listen(): wait as the fault needs, raise a
         usage error. True when the consumer group is gone."""
+        # The idle connections in the pool most likely went with this one
+        # (restart, half-open): else the retries, and every other call,
+        # would find them one at a time.
+        await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
-        if fault is Fault.UNREACHABLE:
-            # The idle connections in the pool most likely went with this
-            # one (restart, half-open). Without this the retries, and every
-            # other call, would find them one at a time.
-            await drop_idle_connections(client)
         if fault is Fault.GROUP_MISSING:
             if group_gone:
                 # Recreating it did not help (say mkstream=False and no
@@ -379,6 +378,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
                     except Exception as error:
                         if not is_outage(error):
                             raise
+                        await drop_idle_connections(self._connection, error)
                         delay = self._ack_backoff.failed(error)
                         if time.monotonic() + delay > give_up:
                             return
