@@ -17,6 +17,7 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
+    drop_idle_connections,
     raise_if_cancel_was_swallowed,
     within,
 )
@@ -71,6 +72,9 @@ class Heartbeating:
                         REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
                     )
             except Exception as error:
+                # A busy receiver parks the listen loop: then the heartbeat
+                # may be first to find the server gone.
+                await drop_idle_connections(self._connection, error)
                 delay = outage.failed(error)
             else:
                 outage.succeeded()

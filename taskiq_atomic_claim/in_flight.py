@@ -36,6 +36,7 @@ from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_calls import drop_idle_connections
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.unknown_tasks import (
     call_decline,
@@ -218,8 +219,9 @@ class InFlight:
                     for stream, waiting in batches.items():
                         await self._call_start(client, stream, waiting)
             except BaseException as error:
-                # Never leave a task waiting to start: a cancelled flush
-                # (loop shutting down) fails its waiters as well.
+                # One start lost to a closed connection is enough; and a
+                # cancelled flush (shutdown) fails its waiters as well.
+                await drop_idle_connections(connect, error)
                 failure = (
                     error
                     if isinstance(error, Exception)

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 
@@ -34,6 +33,7 @@ from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorde
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
+    drop_idle_connections,
     raise_if_cancel_was_swallowed,
     within,
 )
@@ -188,12 +188,9 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     ) -> bool:
         """After a failed call of listen(): wait as the fault needs, raise a
         usage error. True when the consumer group is gone."""
-        pool = getattr(client, "connection_pool", None)
-        if isinstance(error, asyncio.TimeoutError | RedisTimeoutError) and pool:
-            # No reply within our bound: the connection was half-open, and
-            # the idle ones in the pool most likely are too. Without this
-            # the retries would find them one bound at a time.
-            await pool.disconnect(inuse_connections=False)
+        # The pool's idle connections most likely went with this one
+        # (restart, half-open): else every call finds them one at a time.
+        await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
         if fault is Fault.GROUP_MISSING:
             if group_gone:
@@ -379,14 +376,13 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
                     except Exception as error:
                         if not is_outage(error):
                             raise
+                        await drop_idle_connections(self._connection, error)
                         delay = self._ack_backoff.failed(error)
                         remaining = give_up - time.monotonic()
                         if remaining <= 0:
                             return
-                        # The last try at the deadline, not up to a delay
-                        # before it: acks share one backoff, so several
-                        # failing at once reach its cap in a few tries, and
-                        # a shorter outage would drop acks (tasks run again).
+                        # Last try at the deadline: acks share one backoff,
+                        # whose cap would else drop acks of short outages.
                         await asyncio.sleep(min(delay, remaining))
                     else:
                         self._ack_backoff.succeeded()

@@ -4,12 +4,16 @@ a cancel that redis-py swallowed, so no loop waits or runs for ever."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from taskiq_atomic_claim.server_errors import Fault, classify
 
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # No reply within this (beyond a read's own block) means the connection is
@@ -30,6 +34,27 @@ async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
         async with asyncio.timeout(seconds):
             return await awaitable
     return await asyncio.wait_for(awaitable, seconds)
+
+
+async def drop_idle_connections(
+    connect: Callable[[], AbstractAsyncContextManager[Any]], error: BaseException
+) -> None:
+    """After ``error``, if it says the server is unreachable, close the idle
+    connections of the pool ``connect`` gives: they went with the server (a
+    restart, a half-open network). Never raises.
+
+    redis-py 8.1 hands pooled connections out unchecked under RESP3
+    (redis/redis-py#4252): each would fail the next call made on it, and a
+    call not retried, a task's start, would be lost. A Cluster client has
+    no pool of its own and handles its nodes itself.
+    """
+    if not isinstance(error, Exception) or classify(error) is not Fault.UNREACHABLE:
+        return
+    with contextlib.suppress(Exception):
+        async with connect() as client:
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect(inuse_connections=False)
 
 
 def raise_if_cancel_was_swallowed() -> None:

@@ -14,9 +14,11 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LoadMode
 from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server, server_command
+from tests.receiver import start_as_the_receiver_does
 from tests.test_broker import die, message, receive
 
 IDLE_MS, INTERVAL_MS = 600, 100
@@ -166,6 +168,56 @@ async def test_server_restart_without_persistence_mid_run(
         await maybe_awaitable(after.ack())
         gone = [r for r in caplog.records if "is gone" in r.getMessage()]
         assert len(gone) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        await broker.shutdown()
+
+
+async def test_a_start_right_after_a_server_restart_is_counted(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker's pool keeps a connection per call it made at once (reads,
+    # acks, starts, heartbeats). A restart closes them all; each one used
+    # again failed its first call, and a start failing so went uncounted:
+    # a task that crashes its worker at once (the soak's poison) ran
+    # max_deliveries + 1 times.
+    if server.local is None:
+        pytest.skip("needs a server this suite started")
+    broker = await started(server, max_deliveries=5)
+    try:
+        async with broker._connection() as client:
+            await asyncio.gather(*(client.type("taskiq") for _ in range(6)))
+        listener = broker.listen()
+        await broker.kick(message("before"))
+        before = await receive(listener, 2)
+        assert before is not None
+        await maybe_awaitable(before.ack())
+        caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
+        server.restart()
+        await redis.connection_pool.disconnect()  # the test's own client
+        nxt = asyncio.ensure_future(listener.__anext__())
+        await group_recreated(redis)
+        kicker = AtomicRedisStreamBroker(server.url)  # connections of its own
+        await kicker.kick(message("after"))
+        await kicker.shutdown()
+        after = await asyncio.wait_for(nxt, 10)
+        # As the receiver does, it reads on while the task starts: the read
+        # holds the connection that is known to be good.
+        reading = asyncio.ensure_future(listener.__anext__())
+        await asyncio.sleep(0.1)
+        async with broker._connection() as client:
+            # Calls already in flight as the task starts (acks, a heartbeat)
+            # hold the connections used since the restart.
+            await asyncio.gather(
+                *(client.type("taskiq") for _ in range(3)),
+                asyncio.create_task(start_as_the_receiver_does(broker, after)),
+                return_exceptions=True,
+            )
+        warnings = [r.getMessage() for r in caplog.records if "start" in r.getMessage()]
+        entry_id = after.data.entry_id  # type: ignore[attr-defined]
+        started_hash = StreamKeys("taskiq", "taskiq").started
+        assert await redis.hget(started_hash, entry_id) == b"1", warnings
+        await maybe_awaitable(after.ack())
+        reading.cancel()
     finally:
         await broker.shutdown()
 

@@ -1,7 +1,8 @@
 """Chaos soak: a live producer, 3 real workers SIGKILLed and SIGTERMed,
 a server restart from the AOF and an empty one.
 
-Short here, on every server the suite found (about 30 s each); the long run
+Short here, on every server the suite found (about 30 s each), with 3 poison
+tasks kicked after the empty restart; the long run
 with --slow. The queue's server is one this suite starts itself, with an
 fsync-always AOF; the workers report to a second server, which the empty
 restart leaves alone.
@@ -19,7 +20,12 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.harness.soak import durable_server, run_soak
-from taskiq_atomic_claim.harness.soak_accounting import SoakReport
+from taskiq_atomic_claim.harness.soak_accounting import (
+    Letter,
+    SoakReport,
+    Starts,
+    judge_dead_letters,
+)
 from tests.conftest import _BINARIES, Server
 from tests.test_broker import message
 
@@ -39,7 +45,104 @@ def check(report: SoakReport) -> None:
     assert report.dead_never_started == 0, lines
     assert report.left_pending == 0, lines
     assert report.duplicates <= report.in_flight_at_kills + report.resent_kicks, lines
+    assert report.poison_kicked == report.poison_dead_lettered == 3, lines
+    assert report.dead_innocent_crashed == 0, lines
     assert report.ok, lines
+
+
+MAX = 3  # max_deliveries in the crafted runs below
+POISONED = Letter("p0", "max_deliveries exceeded", MAX)
+
+
+def judged(
+    letters: list[Letter],
+    ran_in: dict[str, list[str]],
+    starting_in: dict[str, list[str]] | None = None,
+) -> SoakReport:
+    """A soak that otherwise passed, judged on these dead letters: poison p0
+    was kicked; workers k1..k9 died (killed, or by the poison). Each run
+    reported "starting" where it ran unless ``starting_in`` says otherwise."""
+    report = SoakReport("crafted", 10, 3, planned_kills=1, planned_graceful=1)
+    report.accepted, report.kills, report.graceful_restarts = 10, 1, 1
+    report.aof_restarts, report.max_deliveries, report.planned_poison = 1, MAX, 1
+    died = {f"k{n}" for n in range(1, 10)}
+    starts = Starts()
+    starts.ran_in.update(ran_in)
+    starts.starting_in.update(ran_in if starting_in is None else starting_in)
+    judge_dead_letters(report, letters, starts, died, ["p0"])
+    return report
+
+
+def test_the_accounting_passes_a_poison_dead_lettered_after_max_deliveries() -> None:
+    report = judged([POISONED], {"p0": ["k1", "k2", "k3"], "m1": ["live"]})
+    assert (report.poison_kicked, report.poison_dead_lettered) == (1, 1)
+    assert report.poison_starts == {"p0": MAX}
+    assert report.ok, report.lines()
+
+
+def test_a_poison_start_cut_before_it_ran_still_counts() -> None:
+    # Another poison killed k3 after the broker counted p0's start there.
+    report = judged([POISONED], {"p0": ["k1", "k2"]}, {"p0": ["k1", "k2", "k3"]})
+    assert report.poison_dead_lettered == 1, report.lines()
+    assert report.ok
+
+
+@pytest.mark.parametrize(
+    ("letters", "starts"),
+    [
+        ([], ["k1", "k2", "k3"]),  # never dead-lettered
+        ([POISONED], ["k1", "k2", "k3", "k4"]),  # ran once more than allowed
+        ([POISONED], ["k1", "k2"]),  # dead-lettered early
+        ([POISONED, POISONED], ["k1", "k2", "k3"]),  # twice
+        ([Letter("p0", "no worker knows its task", MAX)], ["k1", "k2", "k3"]),
+    ],
+)
+def test_the_accounting_fails_a_poison_not_dead_lettered_after_max_deliveries(
+    letters: list[Letter], starts: list[str]
+) -> None:
+    report = judged(letters, {"p0": starts})
+    assert not report.ok, report.lines()
+
+
+@pytest.mark.parametrize(
+    "starts",
+    [
+        [],  # never started
+        ["k1", "k2"],  # started, fewer crashes than max_deliveries
+        ["k1", "k2", "live"],  # as often as max_deliveries, once in a live worker
+    ],
+)
+def test_an_innocent_task_in_the_dead_letters_is_lost_by_us(starts: list[str]) -> None:
+    innocent = Letter("m1", "max_deliveries exceeded", MAX)
+    report = judged([POISONED, innocent], {"p0": ["k1", "k2", "k3"], "m1": starts})
+    assert report.lost_by_us == 1, report.lines()
+    assert report.dead_never_started == (not starts)
+    assert not report.ok
+    assert any("m1" in example for example in report.examples), report.examples
+
+
+def test_an_innocent_task_that_crashed_max_deliveries_times_is_counted_apart() -> None:
+    innocent = Letter("m1", "max_deliveries exceeded", MAX)
+    report = judged(
+        [POISONED, innocent], {"p0": ["k4", "k5", "k6"], "m1": ["k1", "k2", "k3"]}
+    )
+    assert report.lost_by_us == 0, report.lines()
+    assert (report.dead_innocent_crashed, report.dead_innocent_beside_poison) == (1, 0)
+    assert "m1" in "\n".join(report.examples)
+
+
+def test_an_innocent_task_dead_lettered_beside_the_poison_is_lost_by_us() -> None:
+    # Suspects run one at a time (suspects.py): a poison must not take a
+    # neighbour to the dead letters, even one that crashed max_deliveries times.
+    innocent = Letter("m1", "max_deliveries exceeded", MAX)
+    report = judged(
+        [POISONED, innocent],
+        {"p0": ["k1", "k2", "k3"], "m1": ["k1", "k2"]},
+        {"p0": ["k1", "k2", "k3"], "m1": ["k1", "k2", "k3"]},
+    )
+    assert report.lost_by_us == 1, report.lines()
+    assert (report.dead_innocent_crashed, report.dead_innocent_beside_poison) == (0, 1)
+    assert not report.ok
 
 
 @pytest.mark.parametrize("label", list(_BINARIES))

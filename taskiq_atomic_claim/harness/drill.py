@@ -29,8 +29,14 @@ from redis.asyncio import Redis
 from taskiq import AsyncBroker
 from taskiq.kicker import AsyncKicker
 
-from taskiq_atomic_claim.harness.drill_app import TASK_NAME, build_broker, events_stream
+from taskiq_atomic_claim.harness.drill_app import (
+    POISON_TASK_NAME,
+    TASK_NAME,
+    build_broker,
+    events_stream,
+)
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES
 
 
 @dataclass
@@ -207,6 +213,7 @@ class Drill:
     give_up_after: float
     log_dir: Path
     events_url: str = ""  # where workers report; the queue's server if empty
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES
 
     def worker(self, name: str, *extra_args: str) -> Worker:
         env = {
@@ -218,12 +225,19 @@ class Drill:
             "TAC_DRILL_BROKER": self.report.broker,
             "TAC_DRILL_WORKER": name,
             "TAC_DRILL_EVENTS_URL": self.events_url or self.url,
+            "TAC_DRILL_MAX_DELIVERIES": str(self.max_deliveries),
         }
         return Worker(env, self.log_dir / f"{self.queue}-{name}.log", extra_args)
 
     async def kick(self, run_id: str, seconds: float) -> None:
         kicker: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, self.kicker_broker, {})
         await kicker.kiq(run_id, seconds)
+
+    async def kick_poison(self, run_id: str) -> None:
+        kicker: AsyncKicker[Any, Any] = AsyncKicker(
+            POISON_TASK_NAME, self.kicker_broker, {}
+        )
+        await kicker.kiq(run_id)
 
     async def one_round(self, number: int) -> DrillRound:
         run_id = f"round-{number}"
@@ -269,6 +283,7 @@ async def drill_queue(
     log_dir: Path | None = None,
     give_up_after: float = 30.0,
     events_url: str | None = None,
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES,
 ) -> AsyncIterator[Drill]:
     """A fresh queue for drill workers; its keys are deleted afterwards.
 
@@ -288,6 +303,7 @@ async def drill_queue(
         give_up_after=give_up_after,
         log_dir=log_dir or Path(tempfile.gettempdir()),
         events_url=events_url or "",
+        max_deliveries=max_deliveries,
     )
     try:
         # The group must exist before the first kick: a worker's startup

@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from taskiq import AsyncBroker, TaskiqEvents, TaskiqState
+from taskiq import (
+    AsyncBroker,
+    TaskiqEvents,
+    TaskiqMessage,
+    TaskiqMiddleware,
+    TaskiqState,
+)
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES
 
 TASK_NAME = "taskiq_atomic_claim.drill.work"
+POISON_TASK_NAME = "taskiq_atomic_claim.drill.poison"
 
 
 def events_stream(queue: str) -> str:
@@ -33,6 +42,7 @@ def build_broker(
     claim_interval: int,
     kind: str,
     consumer_name: str | None = None,
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES,
 ) -> AsyncBroker:
     """``kind`` "atomic" is this package's broker; "upstream" is taskiq-redis's."""
     if kind == "upstream":
@@ -48,6 +58,7 @@ def build_broker(
         idle_timeout=idle_timeout,
         claim_interval=claim_interval,
         consumer_name=consumer_name,
+        max_deliveries=max_deliveries,
     )
 
 
@@ -60,7 +71,13 @@ def add_drill_task(
 ) -> None:
     """Give ``broker`` the drill's task: ``work(run_id, seconds)`` sleeps, and
     the worker reports "ready", "started" and "finished" to the events stream
-    of ``queue`` on ``events``, each naming ``worker``."""
+    of ``queue`` on ``events``, each naming ``worker``. ``poison(run_id)``
+    reports "started", then SIGKILLs the whole ``taskiq worker`` (its process
+    group, as an OOM kill of its container would): taskiq does not restart
+    it, the soak does, under a new name, as after its own kills. Before
+    either, "starting" comes from a middleware that runs before the broker
+    records the start: a kill between the two leaves a start the broker
+    counted and the task never reported, never one it counted unreported."""
 
     async def report(event: str, run_id: str = "") -> None:
         fields = {"event": event, "run": run_id, "worker": worker}
@@ -74,6 +91,15 @@ def add_drill_task(
                 await asyncio.sleep(0.1)
         await events.xadd(events_stream(queue), fields)  # type: ignore[arg-type]
 
+    class ReportStarting(TaskiqMiddleware):
+        # The broker adds its start recorder at the worker's startup, after
+        # the app's middlewares: this one runs first.
+        async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+            await report("starting", str(message.args[0]))
+            return message
+
+    broker.add_middlewares(ReportStarting())
+
     @broker.on_event(TaskiqEvents.WORKER_STARTUP)
     async def ready(_: TaskiqState) -> None:
         await report("ready")
@@ -83,6 +109,11 @@ def add_drill_task(
         await report("started", run_id)
         await asyncio.sleep(seconds)
         await report("finished", run_id)
+
+    @broker.task(task_name=POISON_TASK_NAME)
+    async def poison(run_id: str) -> None:
+        await report("started", run_id)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 _URL = os.environ.get("TAC_DRILL_URL", "redis://127.0.0.1:6379")
@@ -98,6 +129,9 @@ broker = build_broker(
     # The worker's name doubles as its consumer name, so a drill can ask the
     # server what a worker it killed still had pending.
     consumer_name=_WORKER,
+    max_deliveries=int(
+        os.environ.get("TAC_DRILL_MAX_DELIVERIES", str(DEFAULT_MAX_DELIVERIES))
+    ),
 )
 # Reports may go to another server (the soak's), which survives the queue
 # server's empty restart.

@@ -19,6 +19,13 @@ provably gone (absent from the stream afterwards); every other accepted task
 must run: "lost by us" is 0. Dead letters must all be tasks that started
 (never one that never ran), nothing is left pending, and duplicates stay
 within what the stopped workers had in flight (at-least-once, not more).
+
+After the empty restart the producer also kicks ``--poison`` tasks that
+SIGKILL their own worker each time they start; the soak replaces those
+workers as after its kills. Each poison task must end in the dead letters
+after exactly max_deliveries starts; an innocent task in the dead letters is
+lost by us unless it started max_deliveries times in workers the chaos
+killed (a poison must never take a neighbour there).
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from taskiq_atomic_claim.harness.soak_accounting import (
     DeadLetterWatch,
     ExecutionLog,
     SoakReport,
+    _example,
     _run_ids_in,
+    judge_dead_letters,
 )
 from taskiq_atomic_claim.harness.soak_actors import (
     CONCURRENCY,
@@ -58,6 +67,7 @@ from taskiq_atomic_claim.harness.soak_actors import (
     _Producer,
     _retrying,
 )
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES
 
 # Workers kept about half busy: kills land on running tasks, and the
 # backlog a stop or a restart leaves is worked off while the producer runs.
@@ -83,6 +93,8 @@ async def run_soak(
     idle_timeout: int = 1000,
     claim_interval: int = 200,
     time_limit: float = 600.0,
+    poison: int = 3,
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     log_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SoakReport:
@@ -94,6 +106,7 @@ async def run_soak(
 
     report = SoakReport(server.binary.label, messages, workers, kills, graceful)
     report.planned_empty = int(empty_restart)
+    report.planned_poison, report.max_deliveries = poison, max_deliveries
     report.rate = rate or messages / (max(1, kills + graceful) * kill_every)
     report.task_seconds = min(
         2.0, TARGET_BUSY_SHARE * workers * CONCURRENCY / report.rate
@@ -101,12 +114,21 @@ async def run_soak(
     began = time.monotonic()
     deadline = began + time_limit
     async with drill_queue(
-        server.url, idle_timeout, claim_interval, log_dir=log_dir, events_url=events_url
+        server.url,
+        idle_timeout,
+        claim_interval,
+        log_dir=log_dir,
+        events_url=events_url,
+        max_deliveries=max_deliveries,
     ) as drill:
         queue_client = Redis.from_url(server.url)
         log = ExecutionLog(drill.events.client, drill.events.stream)
         dead = DeadLetterWatch(queue_client, drill.queue)
-        producer = _Producer(drill, messages, report.rate, report.task_seconds, backlog)
+        producer = _Producer(
+            drill, messages, report.rate, report.task_seconds, backlog, poison
+        )
+        if not empty_restart:
+            producer.poison_gate.set()
         try:
             with running_workers() as processes:
                 chaos = _Chaos(drill, server, queue_client, dead, report, processes)
@@ -145,6 +167,7 @@ async def _chaos_loop(
         while time.monotonic() < deadline:
             if kicking.done() and kicking.exception() is not None:
                 raise RuntimeError("kicking messages failed") from kicking.exception()
+            await chaos.replace_exited()
             pending = await chaos.pending()
             chaos.note_recoveries(pending)
             await _retrying(log.read_new)
@@ -165,13 +188,15 @@ async def _chaos_loop(
                 and log.all_up([name for name, _ in chaos.live.values()])
             ):
                 await chaos.restart_server(empty=True)
+                producer.poison_gate.set()
             if progress is not None and time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + 5
                 progress(
                     f"{time.monotonic() - began:6.1f} s: accepted {accepted},"
                     f" finished {len(log.finished)}, {sum(pending.values())}"
                     f" pending, {report.kills} kills, {report.graceful_restarts}"
-                    f" stops, {report.aof_restarts + report.empty_restarts}"
+                    f" stops, {report.poison_deaths} poison deaths,"
+                    f" {report.aof_restarts + report.empty_restarts}"
                     " server restarts"
                 )
             quiet = (
@@ -199,10 +224,10 @@ async def _outstanding(chaos: _Chaos, producer: _Producer, log: ExecutionLog) ->
     present = await _retrying(
         lambda: _run_ids_in(chaos.queue_client, chaos.drill.queue)
     )
-    dead = {run for run, _ in chaos.dead.letters}
+    dead = {letter.run for letter in chaos.dead.letters}
     return sum(
         1
-        for run in producer.accepted_at
+        for run in [*producer.accepted_at, *producer.poison_accepted_at]
         if run in present and not log.finished[run] and run not in dead
     )
 
@@ -218,15 +243,17 @@ async def _settle_report(chaos: _Chaos, producer: _Producer, log: ExecutionLog) 
     report.accepted = len(producer.accepted_at)
     report.resent_kicks = producer.resent
     report.duplicates = sum(max(0, n - 1) for n in log.finished.values())
-    report.dead_letters = len(chaos.dead.letters)
-    dead_runs = set()
-    for run, reason in chaos.dead.letters:
-        dead_runs.add(run)
-        if log.started[run]:
-            report.dead_after_crashes += 1
-        else:
-            report.dead_never_started += 1
-            _example(report, f"dead letter {run} never started: {reason}")
+    poison = list(producer.poison_accepted_at)
+    # A poison task kills the worker it starts in, whatever else happened.
+    poisoned = {worker for run in poison for worker in log.starts.ran_in[run]}
+    for name in chaos.exited:
+        if name not in poisoned:
+            report.unexplained_exits += 1
+            _example(report, f"worker {name} exited, no poison started in it")
+    judge_dead_letters(
+        report, chaos.dead.letters, log.starts, chaos.died | poisoned, poison
+    )
+    dead_runs = {letter.run for letter in chaos.dead.letters}
     up_at = chaos.empty_up_at
     for run, accepted_at in producer.accepted_at.items():
         before_empty = up_at is not None and accepted_at < up_at
@@ -242,11 +269,6 @@ async def _settle_report(chaos: _Chaos, producer: _Producer, log: ExecutionLog) 
             report.lost_by_us += 1
             where = "in the stream" if run in present else "gone from the stream"
             _example(report, f"lost {run}: started {log.started[run]} times, {where}")
-
-
-def _example(report: SoakReport, line: str) -> None:
-    if len(report.examples) < 10:
-        report.examples.append(line)
 
 
 def durable_server(binary: ServerBinary) -> LocalServer:
@@ -279,6 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="messages kicked at once before the steady rate",
     )
+    parser.add_argument(
+        "--poison",
+        type=int,
+        default=5,
+        help="tasks that SIGKILL their own worker, kicked after the empty restart",
+    )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=DEFAULT_MAX_DELIVERIES,
+        help="the workers' max_deliveries",
+    )
     parser.add_argument("--time-limit", type=float, default=1200.0)
     parser.add_argument("--server", help="server label, e.g. redis-7.0.15")
     args = parser.parse_args(argv)
@@ -309,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 kill_every=args.kill_every,
                 rate=args.rate,
                 backlog=args.backlog,
+                poison=args.poison,
+                max_deliveries=args.max_deliveries,
                 time_limit=args.time_limit,
                 progress=lambda line: print(line, flush=True),
             )

@@ -71,30 +71,53 @@ class _Producer:
     rate: float
     task_seconds: float
     backlog: int = 0  # kicked at once first: work queued at the first stops
+    poison: int = 0  # tasks that kill their worker, among the last third
     accepted_at: dict[str, float] = field(default_factory=dict)
+    poison_accepted_at: dict[str, float] = field(default_factory=dict)
     resent: int = 0
+    # Set once the empty restart is over: it would take a poison task with
+    # it before its max_deliveries starts.
+    poison_gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
         next_at = time.monotonic()
+        # Spread over the sixth after two thirds: done well before the end.
+        poison_due = [
+            2 * self.messages // 3 + k * self.messages // (6 * self.poison)
+            for k in range(self.poison)
+        ]
         for number in range(self.messages):
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             await self._kick(f"m{number}")
+            while (
+                self.poison_gate.is_set()
+                and len(self.poison_accepted_at) < self.poison
+                and number >= poison_due[len(self.poison_accepted_at)]
+            ):
+                await self._kick(f"p{len(self.poison_accepted_at)}", poison=True)
             if number < self.backlog:
                 next_at = time.monotonic()
                 continue
             # Steady: time lost to an outage is not made up in a burst.
             next_at = max(next_at + 1 / self.rate, time.monotonic() - 0.05)
+        while len(self.poison_accepted_at) < self.poison:
+            await self.poison_gate.wait()
+            await self._kick(f"p{len(self.poison_accepted_at)}", poison=True)
 
-    async def _kick(self, run_id: str) -> None:
+    async def _kick(self, run_id: str, *, poison: bool = False) -> None:
         maybe_written = False
         for _ in range(600):  # 60 s of retries: longer than any outage here
             try:
-                await self.drill.kick(run_id, self.task_seconds)
+                if poison:
+                    await self.drill.kick_poison(run_id)
+                else:
+                    await self.drill.kick(run_id, self.task_seconds)
             except _UNREACHABLE as error:
                 maybe_written = maybe_written or not _refused(error)
                 await asyncio.sleep(0.1)
                 continue
-            self.accepted_at[run_id] = time.monotonic()
+            accepted = self.poison_accepted_at if poison else self.accepted_at
+            accepted[run_id] = time.monotonic()
             self.resent += maybe_written
             return
         raise RuntimeError(f"the server never accepted {run_id}")
@@ -114,6 +137,10 @@ class _Chaos:
     recovering: list[tuple[str, float]] = field(default_factory=list)
     generation: int = 0
     disruptions: int = 0
+    # Workers that died while running what they had: killed, stopped by
+    # force, or exited on their own (a poison task); the last also apart.
+    died: set[str] = field(default_factory=set)
+    exited: list[str] = field(default_factory=list)
     empty_up_at: float | None = None  # when the empty server first answered
 
     def spawn(self, slot: int) -> str:
@@ -149,9 +176,24 @@ class _Chaos:
         worker.kill()
         killed_at = time.monotonic()
         await asyncio.to_thread(worker.process.wait, 10)
-        self.report.in_flight_at_kills += (await self.pending()).get(name, 0)
+        await self._died(name, killed_at)
         self.report.kills += 1
-        self.recovering.append((name, killed_at))
+
+    async def _died(self, name: str, at: float) -> None:
+        self.report.in_flight_at_kills += (await self.pending()).get(name, 0)
+        self.died.add(name)
+        self.recovering.append((name, at))
+
+    async def replace_exited(self) -> None:
+        """Replace each worker that exited on its own (a poison task killed
+        it), as after a kill."""
+        for slot, (name, worker) in list(self.live.items()):
+            if worker.process.poll() is None:
+                continue
+            await self._died(name, time.monotonic())
+            self.exited.append(name)
+            self.report.poison_deaths += 1
+            self.spawn(slot)
 
     async def stop(self, slot: int) -> None:
         """A rolling deploy's stop: SIGTERM, wait for the clean exit."""
@@ -163,7 +205,9 @@ class _Chaos:
         # handed back stays pending to it until another worker claims it.
         self.report.in_flight_at_kills += max(before, after)
         self.report.graceful_restarts += 1
-        self.report.graceful_forced += worker.process.returncode == -signal.SIGKILL
+        if worker.process.returncode == -signal.SIGKILL:
+            self.report.graceful_forced += 1
+            self.died.add(name)
 
     async def restart_server(self, *, empty: bool) -> None:
         if empty:
