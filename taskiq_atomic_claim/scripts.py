@@ -322,9 +322,7 @@ class ScriptRunner:
         keys: Sequence[str],
         args: Sequence[str | int],
     ) -> ReplyT:
-        # The server is read once; every call after that costs no await.
-        server = self._server or await self.server(client)
-        if server.functions:
+        if (await self.server(client)).functions:
             command = ("FCALL", self.library.function_name(operation.name))
         else:
             command = ("EVALSHA", self.library.scripts[operation.name].sha)
