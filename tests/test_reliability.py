@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from taskiq import AckableMessage
 from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
@@ -145,6 +147,25 @@ async def test_hand_back_leaves_entries_another_consumer_took(
         await broker.shutdown()
 
 
+async def restarted_empty_after_one_message(
+    broker: AtomicRedisStreamBroker, server: Server, redis: Redis
+) -> tuple[AsyncGenerator[AckableMessage, None], asyncio.Future[AckableMessage]]:
+    """One message read and acked, then the server restarted without
+    persistence (scripts, functions, stream and group all gone) and the group
+    recreated by the listener: the listener, and its next read under way."""
+    assert server.local is not None
+    listener = broker.listen()
+    await broker.kick(message("before"))
+    before = await receive(listener, 2)
+    assert before is not None
+    await maybe_awaitable(before.ack())
+    server.restart()
+    await redis.connection_pool.disconnect()  # the test's own client
+    nxt = asyncio.ensure_future(listener.__anext__())
+    await group_recreated(redis)
+    return listener, nxt
+
+
 async def test_server_restart_without_persistence_mid_run(
     server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -152,16 +173,8 @@ async def test_server_restart_without_persistence_mid_run(
         pytest.skip("needs a server this suite started")
     broker = await started(server)
     try:
-        listener = broker.listen()
-        await broker.kick(message("before"))
-        before = await receive(listener, 2)
-        assert before is not None
-        await maybe_awaitable(before.ack())
         caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
-        server.restart()  # scripts, functions, stream and group all gone
-        await redis.connection_pool.disconnect()  # the test's own client
-        nxt = asyncio.ensure_future(listener.__anext__())
-        await group_recreated(redis)
+        _, nxt = await restarted_empty_after_one_message(broker, server, redis)
         await broker.kick(message("after"))
         after = await asyncio.wait_for(nxt, 10)
         assert after.data == b"after"
@@ -186,16 +199,8 @@ async def test_a_start_right_after_a_server_restart_is_counted(
     try:
         async with broker._connection() as client:
             await asyncio.gather(*(client.type("taskiq") for _ in range(6)))
-        listener = broker.listen()
-        await broker.kick(message("before"))
-        before = await receive(listener, 2)
-        assert before is not None
-        await maybe_awaitable(before.ack())
         caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
-        server.restart()
-        await redis.connection_pool.disconnect()  # the test's own client
-        nxt = asyncio.ensure_future(listener.__anext__())
-        await group_recreated(redis)
+        listener, nxt = await restarted_empty_after_one_message(broker, server, redis)
         kicker = AtomicRedisStreamBroker(server.url)  # connections of its own
         await kicker.kick(message("after"))
         await kicker.shutdown()
