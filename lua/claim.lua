@@ -33,8 +33,9 @@
     {"claimed", next_cursor, {{id, {field, value, ...}, crashes}, ...},
      {trimmed_id, ...}, {dead_lettered_id, ...}, full}
         entries now owned by ARGV[2], each with its crashes (starts in
-        workers that died running it; left out when ARGV[6] is 0); trimmed ids were pending but their
-        stream entry is gone (trimmed or XDEL'd) and were removed from the PEL;
+        workers that died running it; left out when ARGV[6] is 0); trimmed
+        ids were pending but their stream entry is gone (trimmed or XDEL'd)
+        and were removed from the PEL;
         dead-lettered ids reached max_deliveries crashes, were copied to the
         dead letters and acked (with ARGV[7] "1" also deleted from the
         stream once no group still needs them), and their start counts

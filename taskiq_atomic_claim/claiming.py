@@ -133,7 +133,7 @@ class Claiming:
                 for entry in outcome.entries:
                     # Held from here with its crashes (see suspects.py).
                     self.in_flight.add(stream, [entry.id], entry.crashes)
-                batch += [(stream, e.id, e.fields) for e in outcome.entries]
+                    batch.append((stream, entry.id, entry.fields))
                 if outcome.full or outcome.next_cursor != "0-0":
                     # A backlog, or a scan cut short at 10 x COUNT: go on.
                     self._claim_due[stream] = started
