@@ -9,7 +9,12 @@ from redis.asyncio import Redis
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim.reclaiming import ReclaimingListener
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
+from taskiq_atomic_claim.settings import (
+    DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_KICK_PATIENCE_S,
+    DEFAULT_MAX_DELIVERIES,
+    check_broker_arguments,
+)
 
 
 class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
@@ -42,6 +47,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         delete_acked: bool = False,
+        kick_patience: float = DEFAULT_KICK_PATIENCE_S,
+        idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its units, plus ``claim_interval``.
@@ -61,6 +68,16 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             every consumer group acked it (XACKDEL ... ACKED), keeping the
             stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
             broker refuses to start.
+        :param kick_patience: seconds a kick retries through an outage (a
+            restart, a failover) before it raises; 0 tries once. Seconds, as
+            socket_timeout: it is how long the caller of ``kiq()`` may wait,
+            not a server-side argument. On Redis >= 8.6 every kick is
+            idempotent and any outage is retried; elsewhere only failures
+            that certainly wrote nothing are.
+        :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
+            task id (XCFGSET IDMP-DURATION, 1..86400), so a kick resent with
+            the same task id within it enqueues nothing; each remembered id
+            costs the server about 75 bytes, at most 160,000 per stream.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -78,6 +95,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
             delete_acked=delete_acked,
+            kick_patience=kick_patience,
+            idempotency_window=idempotency_window,
         )
         super().__init__(
             url,

@@ -34,7 +34,12 @@ from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
+from taskiq_atomic_claim.settings import (
+    DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_KICK_PATIENCE_S,
+    DEFAULT_MAX_DELIVERIES,
+    check_broker_arguments,
+)
 
 
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
@@ -68,6 +73,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         delete_acked: bool = False,
+        kick_patience: float = DEFAULT_KICK_PATIENCE_S,
+        idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -90,6 +97,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             every consumer group acked it (XACKDEL ... ACKED), keeping the
             stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
             broker refuses to start.
+        :param kick_patience: seconds a kick retries through an outage,
+            and
+        :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
+            task id: as in ``AtomicRedisStreamBroker``.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
@@ -109,6 +120,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
             delete_acked=delete_acked,
+            kick_patience=kick_patience,
+            idempotency_window=idempotency_window,
         )
         named = [("queue_name", queue_name)]
         named += [("additional_streams key", s) for s in additional_streams or {}]

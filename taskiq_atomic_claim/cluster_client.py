@@ -50,6 +50,10 @@ from taskiq_atomic_claim.server_info import ServerInfo
 StreamEntries = list[tuple[Any, Any]]
 
 _MOVABLE_KEY_SCRIPTS = frozenset({"FCALL", "FCALL_RO"})
+# Sent to their key's primary as the only target: redis-py's cluster client
+# resends a command it routed itself after a lost connection, and a resent
+# XADD on a server without IDMP is a second entry (kicking.py retries).
+_KICK_COMMANDS = frozenset({"XADD", "XCFGSET"})
 
 
 def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
@@ -124,8 +128,13 @@ class SlotRoutedClient:
             return min(infos, key=_age)
         if command == "FUNCTION" and text(args[1]).upper() == "LIST":
             return _libraries_everywhere(await self._on_every_primary(args, options))
+        key = None
         if command in _MOVABLE_KEY_SCRIPTS and len(args) > 3 and int(args[2]) > 0:
-            node = await self.primary_for(text(args[3]))
+            key = args[3]
+        elif command in _KICK_COMMANDS:
+            key = args[1]
+        if key is not None:
+            node = await self.primary_for(text(key))
             return await self.cluster.execute_command(
                 *args, target_nodes=node, **options
             )

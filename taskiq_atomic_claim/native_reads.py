@@ -7,7 +7,7 @@ takes idle pending entries (longest idle first) before new ones. What the
 Lua claim also did is done here: entries whose task started
 ``max_deliveries`` times in workers that died go to the dead letters, and a
 rare sweep drops pending entries whose data was deleted (CLAIM skips them).
-On Redis >= 8.2 ``maxlen`` trims with ``ACKED``, never a pending entry.
+(The kick, which trims with ``ACKED`` on Redis >= 8.2, is in ``kicking.py``.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-
-from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.in_flight import InFlight
@@ -31,7 +29,6 @@ from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
-_DATA_FIELD = b"data"
 _MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
 
 
@@ -113,21 +110,6 @@ class NativeReads:
         async with self._connection() as client:
             server = await self.learn_server(client)
         server.require_acked_deletion()
-
-    async def kick(self, message: BrokerMessage) -> None:
-        """As the parent; with ``maxlen`` on Redis >= 8.2 the trimming is
-        ``ACKED``, so it never drops an entry a group has not acked."""
-        if self.maxlen is None:
-            await super().kick(message)  # type: ignore[misc]
-            return
-        queue_name = message.labels.get("queue_name") or self.queue_name
-        trim: list[Any] = ["MAXLEN", "~" if self.approximate else "=", self.maxlen]
-        async with self._connection() as client:
-            if (await self.learn_server(client)).acked_trimming:
-                trim.append("ACKED")
-            await client.execute_command(
-                "XADD", queue_name, *trim, "*", _DATA_FIELD, message.message
-            )
 
     async def drop_trimmed(self, client: Any) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the

@@ -114,6 +114,8 @@ MIGRATE_DEAD_LETTERS: Operation[int] = Operation(
 REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
     "requeue_dead_letters", ("dead_letters", "stream")
 )
+# XCFGSET's "OK". A kick's: refused out of memory, as the kick would be.
+SET_IDEMPOTENCY: Operation[Any] = Operation("set_idempotency", ("stream",))
 # The ids the caller no longer owns. The heartbeat: keeps memory as it is.
 SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",), allow_oom=True)
 # How many starts were recorded. Out of memory too: one field per running
@@ -132,6 +134,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     HAND_BACK,
     MIGRATE_DEAD_LETTERS,
     REQUEUE_DEAD_LETTERS,
+    SET_IDEMPOTENCY,
     SET_IDLE,
     START,
 )

@@ -26,6 +26,7 @@ from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
 from taskiq_atomic_claim.in_flight import EntryData, InFlight
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
 from taskiq_atomic_claim.operations import ACK
@@ -47,7 +48,7 @@ logger = logging.getLogger("taskiq.atomic_claim")
 _DATA_FIELD = b"data"
 
 
-class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
+class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSetup):
     """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
 
     # Provided by the taskiq-redis parent class.
@@ -89,6 +90,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         )
         self.group_positions = GroupPositions()
         self._init_native_reads()
+        self._init_kicking()
         # What the server can do, once read (startup, or the first read).
         self.server: ServerInfo | None = None
         # Where reads reclaim: when drop_trimmed runs next, and where in

@@ -42,6 +42,8 @@ from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
 from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import (
+    DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
     require_name,
@@ -98,6 +100,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         claim_interval: int | None = None,
         max_deliveries: int | None = DEFAULT_MAX_DELIVERIES,
         delete_acked: bool = False,
+        kick_patience: float = DEFAULT_KICK_PATIENCE_S,
+        idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -121,6 +125,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             every consumer group acked it (XACKDEL ... ACKED), keeping the
             stream bounded without maxlen. Needs Redis >= 8.2; elsewhere the
             broker refuses to start.
+        :param kick_patience: seconds a kick retries through an outage,
+            and
+        :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
+            task id: as in ``AtomicRedisStreamBroker``.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -138,6 +146,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             consumer_id=consumer_id,
             socket_timeout=connection_kwargs.get("socket_timeout"),
             delete_acked=delete_acked,
+            kick_patience=kick_patience,
+            idempotency_window=idempotency_window,
         )
         require_name("master_name", master_name)
         super().__init__(

@@ -68,6 +68,9 @@ _CODE_FAULTS = {
     "LOADING": Fault.REFUSING,
     "CLUSTERDOWN": Fault.REFUSING,
     "TRYAGAIN": Fault.REFUSING,
+    # A primary configured with min-replicas-to-write that has too few
+    # replicas (one that a failover is leaving): the write was refused.
+    "NOREPLICAS": Fault.REFUSING,
     # Reaches a loop only when loading the script and calling it again
     # failed too: a failover or a flush racing the reload. Try again later.
     "NOSCRIPT": Fault.REFUSING,
@@ -135,6 +138,42 @@ def classify(error: BaseException) -> Fault:
 def is_outage(error: BaseException) -> bool:
     """Whether ``error`` is waited out and retried rather than raised."""
     return classify(error).is_outage
+
+
+# redis-py's own messages for a connection that failed before the command
+# was written: connecting (refused, timed out, no master known to the
+# sentinels) or a pooled connection found broken before use.
+_NOT_SENT_TEXTS = (
+    "connecting to",
+    "Timeout connecting",
+    "No master found",
+    "Connection has data",
+    "Connection not ready",
+)
+
+
+def certainly_not_written(error: BaseException) -> bool:
+    """Whether a write that failed with ``error`` certainly changed nothing:
+    it never reached the server (the connection could not be made) or the
+    server refused it (OOM, READONLY, LOADING, MASTERDOWN, NOREPLICAS, BUSY,
+    TRYAGAIN, CLUSTERDOWN, also when a Sentinel connection turned that reply into a
+    ``ConnectionError``). A timeout or a connection lost after sending is
+    ambiguous: the server may have run the command and the reply was lost."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ResponseError):
+            return classify(seen) in (Fault.DEMOTED, Fault.REFUSING)
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        if isinstance(seen, RedisConnectionError | RedisTimeoutError) and any(
+            text in str(seen) for text in _NOT_SENT_TEXTS
+        ):
+            return True
+        if classify(seen) is Fault.REFUSING:
+            # The cluster client's own "no node serves this slot now".
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_missing_script(error: ResponseError) -> bool:

@@ -103,6 +103,11 @@ class ServerInfo:
         return self._redis_at_least(8, 2)
 
     @property
+    def idempotent_add(self) -> bool:
+        """XADD ... IDMP and XCFGSET: Redis >= 8.6 (not Valkey 9.1)."""
+        return self._redis_at_least(8, 6)
+
+    @property
     def scripting(self) -> bool | None:
         """True/False once probed (``with_scripting``), None before."""
         return None if self.scripting_problem is None else not self.scripting_problem
@@ -151,6 +156,8 @@ class ServerInfo:
             supports.append(NATIVE_CLAIM)
         if self.acked_trimming:
             supports.append("ACKED trimming and XACKDEL")
+        if self.idempotent_add:
+            supports.append("idempotent XADD (IDMP)")
         server_has = f"; server also offers {', '.join(supports)}" if supports else ""
         scripting = (
             f"; scripting unavailable: {self.scripting_problem}"

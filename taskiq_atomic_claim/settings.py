@@ -26,6 +26,14 @@ MAX_REDIS_INT = 2**63 - 1
 # What a reply may take beyond the longest blocking read before a socket
 # timeout would call a healthy server unreachable.
 SOCKET_TIMEOUT_MARGIN_MS = 500
+# A kick rides out an outage this long by default (a restart, a Sentinel
+# failover with short timeouts); 0 tries once, as taskiq-redis does.
+DEFAULT_KICK_PATIENCE_S = 5.0
+MAX_KICK_PATIENCE_S = 3600
+# How long Redis >= 8.6 remembers a kicked task id (XCFGSET IDMP-DURATION,
+# whose range is 1..86400 s; Redis's own default is 100 s).
+DEFAULT_IDEMPOTENCY_WINDOW_S = 100
+MAX_IDEMPOTENCY_WINDOW_S = 86_400
 _MAX_ID_PART = 2**64 - 1
 _STREAM_ID = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -72,6 +80,10 @@ class ClaimSettings:
     max_deliveries: int = DEFAULT_MAX_DELIVERIES
     # Acks delete the entry once every group acked it (XACKDEL ... ACKED).
     delete_acked: bool = False
+    # Seconds a kick retries through an outage; 0: one attempt.
+    kick_patience: float = DEFAULT_KICK_PATIENCE_S
+    # Seconds Redis >= 8.6 remembers a kicked task id (IDMP-DURATION).
+    idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S
 
     @classmethod
     def from_broker_arguments(
@@ -174,10 +186,25 @@ def check_broker_arguments(
     consumer_id: object,
     socket_timeout: object,
     delete_acked: object = False,
+    kick_patience: object = DEFAULT_KICK_PATIENCE_S,
+    idempotency_window: object = DEFAULT_IDEMPOTENCY_WINDOW_S,
 ) -> ClaimSettings:
     """Every check the brokers share; a ValueError names the parameter."""
     if not isinstance(delete_acked, bool):
         raise ValueError(f"delete_acked must be True or False, got {delete_acked!r}")
+    if (
+        not isinstance(kick_patience, int | float)
+        or isinstance(kick_patience, bool)
+        or not 0 <= kick_patience <= MAX_KICK_PATIENCE_S
+    ):
+        raise ValueError(
+            "kick_patience must be a number of seconds >= 0 and"
+            f" <= {MAX_KICK_PATIENCE_S} (how long a kick retries through an"
+            f" outage; 0 tries once), got {kick_patience!r}"
+        )
+    window = require_positive_int(
+        "idempotency_window", idempotency_window, MAX_IDEMPOTENCY_WINDOW_S
+    )
     settings = ClaimSettings.from_broker_arguments(
         idle_timeout=idle_timeout,
         claim_interval=claim_interval,
@@ -222,7 +249,12 @@ def check_broker_arguments(
                     " stream id such as '0' or '1700000000000-0' (each part"
                     f" <= 2**64-1), as XREADGROUP accepts, got {start!r}"
                 )
-    return dataclasses.replace(settings, delete_acked=delete_acked)
+    return dataclasses.replace(
+        settings,
+        delete_acked=delete_acked,
+        kick_patience=float(kick_patience),
+        idempotency_window=window,
+    )
 
 
 def _check_socket_timeout(

@@ -55,6 +55,9 @@ async def test_capabilities_match_what_the_server_does(redis: Redis) -> None:
     )
     assert info.acked_trimming == await accepts("XACKDEL", "s", "g", "IDS", "1", "1-0")
     assert info.functions == await accepts("FUNCTION", "LIST")
+    assert info.idempotent_add == await accepts(
+        "XADD", "s", "IDMP", "p", "i", "*", "f", "v"
+    )
 
 
 async def test_scripting_runs_on_every_suite_server(redis: Redis) -> None:

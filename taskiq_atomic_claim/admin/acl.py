@@ -39,6 +39,10 @@ RESULT_BACKEND_COMMANDS = (
 CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
 # delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
 DELETE_ACKED_COMMANDS = (("xackdel", "inside ack, claim, dead_letter"),)
+# Redis >= 8.6: kicks set how long the stream remembers task ids (IDMP).
+IDEMPOTENCY_COMMANDS = (
+    ("xcfgset", "inside set_idempotency: the stream's IDMP retention"),
+)
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
 # redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
@@ -69,7 +73,8 @@ Commands: -@all, then
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
-  acl --delete-acked) adds +xackdel.
+  acl --delete-acked) adds +xackdel. On Redis >= 8.6, +xcfgset (kicks
+  set how long the stream remembers task ids).
   And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
@@ -144,6 +149,8 @@ def worker_commands(
         names = [name for name in names if name not in unused]
     if delete_acked:
         names += [name for name, _ in DELETE_ACKED_COMMANDS]
+    if (major, minor) >= (8, 6):
+        names += [name for name, _ in IDEMPOTENCY_COMMANDS]
     if reload:
         names.append(calls[1][0])
     if result_backend:

@@ -1,0 +1,174 @@
+"""The kick: one XADD that rides out a short outage and never enqueues twice
+where the server can tell a resend.
+
+On Redis >= 8.6 every XADD carries the task id as its idempotency id
+(``IDMP producer-id task-id``): a resend with the same ids, by this retry or
+by a caller kicking again with the same task id (taskiq's ``with_task_id``),
+adds nothing and answers the first entry's id, for ``idempotency_window``
+seconds. The producer id is one of ``PRODUCER_SHARDS`` names picked by a hash
+of the task id, so every process names the same task the same way, and the
+stream remembers up to ``PRODUCER_SHARDS`` x ``IDMP_MAXSIZE`` task ids (Redis
+keeps at most ``IDMP_MAXSIZE`` per producer id).
+
+Elsewhere (older Redis, Valkey) a resend cannot be told apart, so only a
+failure that certainly wrote nothing is retried (``server_errors
+.certainly_not_written``); an ambiguous one (a timeout or a connection lost
+after sending) raises at once, saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from taskiq.message import BrokerMessage
+
+from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.operations import SET_IDEMPOTENCY
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_calls import (
+    REPLY_MARGIN_S,
+    drop_idle_connections,
+    within,
+)
+from taskiq_atomic_claim.server_errors import certainly_not_written, is_outage
+from taskiq_atomic_claim.server_info import ServerInfo
+from taskiq_atomic_claim.settings import ClaimSettings
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+_DATA_FIELD = b"data"
+# Producer ids a stream's remembered task ids are spread over: Redis keeps at
+# most IDMP_MAXSIZE (its maximum) per producer id, so a stream remembers up
+# to 16 x 10,000 task ids within the window. Fixed: every producer must
+# derive the same producer id from a task id.
+PRODUCER_SHARDS = 16
+IDMP_MAXSIZE = 10_000
+
+
+class UncertainKickError(RuntimeError):
+    """A kick failed after it may have reached the server, on a server that
+    cannot tell a resend apart: retrying could enqueue the task twice."""
+
+
+def producer_id(task_id: str) -> str:
+    """The IDMP producer id for ``task_id``: the same in every process."""
+    return f"tac{zlib.crc32(task_id.encode()) % PRODUCER_SHARDS}"
+
+
+class Kicking:
+    """``kick`` for the atomic brokers (mixed in before the taskiq-redis parent)."""
+
+    queue_name: str
+    maxlen: int | None
+    approximate: bool
+    claim_settings: ClaimSettings
+    scripts: ScriptRunner
+    # Per stream: the server whose IDMP settings this broker last set on it.
+    _idempotency_set: dict[str, ServerInfo]
+    _kick_backoff: Backoff
+
+    def _connection(self) -> Any:
+        raise NotImplementedError
+
+    def _init_kicking(self) -> None:
+        self._idempotency_set = {}
+        # Shared by every kick: one outage, one log line, however many kicks.
+        self._kick_backoff = Backoff(
+            "kicks",
+            cap=1.0,
+            consequence=f"a kick still failing after"
+            f" {self.claim_settings.kick_patience:g} s raises",
+        )
+
+    async def kick(self, message: BrokerMessage) -> None:
+        """Add the message to its stream; retry through an outage for
+        ``kick_patience`` seconds (see the module docstring for which
+        failures are retried), then raise the last error."""
+        stream = message.labels.get("queue_name") or self.queue_name
+        give_up = time.monotonic() + self.claim_settings.kick_patience
+        while True:
+            attempt = _Attempt()
+            try:
+                await within(REPLY_MARGIN_S, self._add(stream, message, attempt))
+            except Exception as error:
+                remaining = give_up - time.monotonic()
+                if not is_outage(error) or remaining <= 0:
+                    raise
+                if attempt.uncertain and not certainly_not_written(error):
+                    raise UncertainKickError(
+                        f"Kick of task {message.task_id} to stream {stream!r}"
+                        f" may have been added ({type(error).__name__}: {error});"
+                        " not retried: this server has no idempotent XADD"
+                        " (Redis >= 8.6), so a resend could enqueue it twice"
+                    ) from error
+                await drop_idle_connections(self._connection, error)
+                # The server may be another one now (a failover, a restart
+                # on another binary): read it again before the next try.
+                self.scripts.forget_server()
+                delay = self._kick_backoff.failed(error)
+                # Last try at the deadline: kicks share one backoff.
+                await asyncio.sleep(min(delay, remaining))
+            else:
+                self._kick_backoff.succeeded()
+                return
+
+    async def _add(
+        self, stream: str, message: BrokerMessage, attempt: _Attempt
+    ) -> None:
+        """One XADD, with IDMP where the server has it; ``attempt`` records
+        how far it got, for deciding whether a failed one may be resent."""
+        async with self._connection() as client:
+            server = await self.scripts.server(client)
+            options: list[Any] = []
+            if server.acked_trimming and self.maxlen is not None:
+                # Never trim an entry a group has not acked.
+                options.append("ACKED")
+            if server.idempotent_add:
+                await self._set_idempotency(client, stream, server)
+                options += ["IDMP", producer_id(message.task_id), message.task_id]
+                attempt.idempotent = True
+            if self.maxlen is not None:
+                options += ["MAXLEN", "~" if self.approximate else "=", self.maxlen]
+            # From here a failure may come after the server added the entry.
+            attempt.sent = True
+            await client.execute_command(
+                "XADD", stream, *options, "*", _DATA_FIELD, message.message
+            )
+
+    async def _set_idempotency(
+        self, client: Any, stream: str, server: ServerInfo
+    ) -> None:
+        """Once per stream and server: how long and how many task ids the
+        stream remembers (``lua/set_idempotency.lua``). Setting the values
+        the stream has changes nothing; others (a broker with another
+        idempotency_window) forget the ids remembered so far."""
+        if self._idempotency_set.get(stream) is server:
+            return
+        await self.scripts.call(
+            client,
+            SET_IDEMPOTENCY,
+            [stream],
+            [self.claim_settings.idempotency_window, IDMP_MAXSIZE],
+        )
+        self._idempotency_set[stream] = server
+
+
+@dataclass
+class _Attempt:
+    """One try of a kick, as far as it got before failing."""
+
+    # The XADD carried IDMP: resending it adds nothing.
+    idempotent: bool = False
+    # The XADD was being sent (not just the INFO or XCFGSET before it).
+    sent: bool = False
+
+    @property
+    def uncertain(self) -> bool:
+        """Whether a failure of this try may have left an entry that a
+        resend would add again."""
+        return self.sent and not self.idempotent
