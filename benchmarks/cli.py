@@ -3,7 +3,8 @@
 Parts, in order: claim_cycle (latency per RTT, round trips, server time,
 upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
 mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
-idle fleet costs the server).
+idle fleet costs the server), kicks (kick throughput with and without
+idempotent XADD).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from benchmarks import (
     contention,
     end_to_end,
     fleet_idle,
+    kicks,
     machine,
     mass_recovery,
     netpath,
@@ -48,6 +50,7 @@ PARTS = (
     "throughput",
     "mass_recovery",
     "fleet_idle",
+    "kicks",
 )
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
@@ -245,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             if "fleet_idle" in args.parts:
                 results["fleet_idle"] = fleet_idle.run(
                     server.url, server.port, mode, log
+                )
+            if "kicks" in args.parts:
+                results["kicks"] = kicks.run(
+                    server.url, mode.kick_messages, mode.kick_reps, log
                 )
     finally:
         if path is not None:

@@ -197,6 +197,9 @@ class Mode:
     # lands the same whole number of reads in the window.
     fleet_idle_s: float = 30.0
     fleet_monitor_s: float = 5.0
+    # Kick throughput, with and without IDMP: kicks per variant and run.
+    kick_messages: int = 20_000
+    kick_reps: int = 3
 
     def claimers_for(self, regime: str) -> tuple[int, ...]:
         return self.regime_claimers.get(regime, self.claimers)
@@ -239,6 +242,8 @@ QUICK = Mode(
     fleet_shapes=((10, 2, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
+    kick_messages=5000,
+    kick_reps=2,
 )
 # For the test suite: every part, briefly; figures are not meaningful.
 SMOKE = Mode(
@@ -277,5 +282,7 @@ SMOKE = Mode(
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
     fleet_monitor_s=0.6,
+    kick_messages=200,
+    kick_reps=1,
 )
 MODES = {mode.name: mode for mode in (FULL, QUICK, SMOKE)}

@@ -682,6 +682,30 @@ def render(results: dict[str, Any]) -> str:
                 ),
             )
         )
+    if results.get("kicks"):
+        kicked = results["kicks"]
+        per_id = kicked["idmp_bytes_per_id"]
+        parts.append(
+            f"Kicks on {kicked['server']}: {kicked['messages']} per variant,"
+            f" {kicked['in_flight']} in flight, median of {kicked['reps']};"
+            + (
+                f" each remembered task id takes {per_id} bytes\n"
+                if per_id is not None
+                else " no IDMP on this server\n"
+            )
+            + table(
+                ["variant", "IDMP", "kicks/s", "server us/XADD"],
+                (
+                    [
+                        r["variant"],
+                        "yes" if r["idmp"] else "no",
+                        r["kicks_per_s"],
+                        r["server_usec_per_xadd"],
+                    ]
+                    for r in kicked["rows"]
+                ),
+            )
+        )
     if results.get("targets"):
         parts.append(
             "Targets\n"

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import kicks
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"atomic", "plain_lock", "bare_xautoclaim", "upstream_1_2_4"}
 # The claim-cycle part adds the floor of any claim script (no native CLAIM on
@@ -71,6 +73,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "throughput",
         "mass_recovery",
         "fleet_idle",
+        "kicks",
         "targets",
     ):
         assert results.get(key), f"missing or empty: {key}"
@@ -148,6 +151,10 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     # scripts: MONITOR must have told them from their nested commands.
     atomic_idle = next(row for row in idle if row["broker"] == "atomic")
     assert atomic_idle["monitor_outer"] and atomic_idle["monitor_nested"]
+
+    kicked = results["kicks"]
+    assert {row["variant"] for row in kicked["rows"]} <= set(kicks.VARIANTS)
+    assert all(row["kicks_per_s"] > 0 for row in kicked["rows"])
 
     targets = {target["target"]: target for target in results["targets"]}
     assert all(
