@@ -77,7 +77,7 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
             task id (XCFGSET IDMP-DURATION, 1..86400), so a kick resent with
             the same task id within it enqueues nothing; each remembered id
-            costs the server about 75 bytes, at most 160,000 per stream.
+            costs the server about 72 bytes, at most 160,000 per stream.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
