@@ -39,7 +39,6 @@ from taskiq_atomic_claim.server_calls import (
     within,
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
-from taskiq_atomic_claim.server_info import ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import StreamSetup
 
@@ -91,12 +90,6 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         self.group_positions = GroupPositions()
         self._init_native_reads()
         self._init_kicking()
-        # What the server can do, once read (startup, or the first read).
-        self.server: ServerInfo | None = None
-        # Where reads reclaim: when drop_trimmed runs next, and where in
-        # each stream's PEL it goes on.
-        self._next_sweep = time.monotonic() + claim_settings.idle_timeout / 1000
-        self._sweep_from: dict[str, str] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.

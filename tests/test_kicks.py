@@ -23,7 +23,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from taskiq.exceptions import SendTaskError
 
-from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim import AtomicRedisStreamBroker, UncertainKickError
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
 from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
@@ -31,7 +31,6 @@ from taskiq_atomic_claim.harness.embedded_server import (
     find_binaries,
     free_port,
 )
-from taskiq_atomic_claim.kicking import UncertainKickError
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 from tests.conftest import Server, server_command
 from tests.topologies import (

@@ -1,7 +1,8 @@
 """Out of memory (``maxmemory`` reached, ``noeviction``), real ``taskiq
 worker`` processes keep running what they read: each task runs once, every
 ack lands, and new tasks flow once memory is back. Producers' kicks are
-refused meanwhile (XADD): that is the producer's error to handle.
+refused meanwhile (XADD): retried for kick_patience, then the producer's
+error to handle.
 """
 
 from __future__ import annotations

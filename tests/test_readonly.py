@@ -82,7 +82,9 @@ async def workers(
 
 @pytest.fixture
 async def kicker(server: Server, queue: str) -> AsyncIterator[AtomicRedisStreamBroker]:
-    broker = AtomicRedisStreamBroker(server.url, queue_name=queue)
+    # No patience: kicks during the demotion are refused, not ridden out
+    # (test_kicks covers that), so some are refused and must never run.
+    broker = AtomicRedisStreamBroker(server.url, queue_name=queue, kick_patience=0)
     yield broker
     await broker.shutdown()
 
