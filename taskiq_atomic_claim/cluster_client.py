@@ -135,6 +135,8 @@ class SlotRoutedClient:
             key = args[1]
         if key is not None:
             node = await self.primary_for(text(key))
+            if command in _KICK_COMMANDS:
+                await _drop_closed_connections(node)
             return await self.cluster.execute_command(
                 *args, target_nodes=node, **options
             )
@@ -299,6 +301,24 @@ class SlotRoutedClient:
         for task in reads:
             with contextlib.suppress(BaseException):
                 await task
+
+
+async def _drop_closed_connections(node: ClusterNode) -> None:
+    """Close ``node``'s idle connections that its server already closed (it
+    was killed or restarted): a kick written on one fails after sending,
+    which would read as "may have been added". redis-py's own pool checks a
+    connection before handing it out; a cluster node's free list does not."""
+    for connection in list(getattr(node, "_free", ())):
+        if not connection.is_connected:
+            continue
+        # can_read from redis-py 8, can_read_destructive before.
+        check = getattr(connection, "can_read", None)
+        try:
+            closed = await (check or connection.can_read_destructive)()
+        except Exception:
+            closed = True
+        if closed:
+            await connection.disconnect()
 
 
 class OneNodeClient:
