@@ -19,7 +19,6 @@ after sending) raises at once, saying why.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ from taskiq_atomic_claim.server_calls import (
 from taskiq_atomic_claim.server_errors import certainly_not_written, is_outage
 from taskiq_atomic_claim.server_info import ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
-
-logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
 # Producer ids a stream's remembered task ids are spread over: Redis keeps at
