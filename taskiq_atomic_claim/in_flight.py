@@ -126,9 +126,6 @@ class InFlight:
             delivery = Delivery(stream, entry_id, now, crashes=crashes)
             self._held.setdefault((stream, entry_id), delivery)
 
-    def holds(self, stream: str, entry_id: str) -> bool:
-        return (stream, entry_id) in self._held
-
     def discard(self, stream: str, entry_id: str) -> None:
         delivery = self._held.pop((stream, entry_id), None)
         if delivery is not None and delivery.task is not None:
@@ -140,9 +137,6 @@ class InFlight:
 
     def __getitem__(self, stream: str) -> set[str]:
         return {entry_id for (s, entry_id) in self._held if s == stream}
-
-    def __contains__(self, stream: object) -> bool:
-        return any(s == stream for s, _ in self._held)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -15,7 +15,6 @@ from taskiq_atomic_claim.operations import (
     OPERATIONS,
     SET_IDLE,
     Operation,
-    check_declarations,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import (
@@ -24,6 +23,7 @@ from taskiq_atomic_claim.scripts import (
     LoadMode,
     ScriptLibrary,
     ScriptRunner,
+    check_declarations,
     declared_key_count,
 )
 

@@ -48,7 +48,6 @@ from taskiq_atomic_claim.admin.inspection import (
     duration,
     inspect_server,
     plural,
-    text,
 )
 from taskiq_atomic_claim.admin.legacy_dead_letters import (
     DEAD_LETTER_PATTERN,
@@ -57,6 +56,7 @@ from taskiq_atomic_claim.admin.legacy_dead_letters import (
 )
 from taskiq_atomic_claim.durability import durability_risks
 from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 

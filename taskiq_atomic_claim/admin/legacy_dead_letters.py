@@ -12,9 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT, text
+from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.operations import MIGRATE_DEAD_LETTERS
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 
 DEAD_LETTER_PATTERN = f"{PREFIX}:dead:*"
