@@ -102,10 +102,6 @@ DROP_TRIMMED: Operation[list[Any]] = Operation(
 HAND_BACK: Operation[list[Any]] = Operation(
     "hand_back", ("stream", "started"), allow_oom=True
 )
-# How many dead letters moved. The operator's: refused out of memory.
-MIGRATE_DEAD_LETTERS: Operation[int] = Operation(
-    "migrate_dead_letters", ("old_dead_letters", "new_dead_letters")
-)
 # [[dead-letter id, new stream id], ...]. Adds entries to the stream, as a
 # kick does: refused out of memory.
 REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
@@ -127,7 +123,6 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     DELETE_IDLE_CONSUMER,
     DROP_TRIMMED,
     HAND_BACK,
-    MIGRATE_DEAD_LETTERS,
     REQUEUE_DEAD_LETTERS,
     SET_IDLE,
     START,

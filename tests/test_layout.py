@@ -112,9 +112,7 @@ def test_the_import_graph_has_no_cycle() -> None:
     # A package imports its modules' names through __init__: an edge from a
     # module to its own package is how Python loads it, not a cycle.
     for module, imported in graph.items():
-        imported.difference_update(
-            {p for p in imported if module.startswith(p + ".")}
-        )
+        imported.difference_update({p for p in imported if module.startswith(p + ".")})
     cycles = []
     state: dict[str, int] = {}  # 1 on the current path, 2 finished
 

@@ -128,7 +128,6 @@ async def test_functions_carry_the_declared_flags_and_an_unflagged_library_is_ou
         for op in OPERATIONS
     }
     assert {op.name for op in OPERATIONS if not op.allow_oom} == {
-        "migrate_dead_letters",
         "requeue_dead_letters",
     }
     # A release without the flags, left alone on the server: outdated.
