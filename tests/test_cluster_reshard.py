@@ -14,17 +14,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from redis import Redis as SyncRedis
 from redis.crc import key_slot
+from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.harness.drill_app import events_stream
+from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from taskiq_atomic_claim.server_errors import is_outage
 from tests.test_cluster import pending
 from tests.topologies import (
+    HOST,
     ClusterNode,
     Consumer,
+    DrillWorkers,
+    EventLog,
     LocalCluster,
     StartedBrokers,
     binary_for,
@@ -33,6 +43,7 @@ from tests.topologies import (
     need,
     unexpiring_keys,
 )
+from tests.topology_app import TASK_NAME
 
 REDIS_7 = binary_for(7)
 IDLE_MS, INTERVAL_MS = 1000, 200
@@ -129,3 +140,109 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     assert twice == []
     assert await pending(broker, stream) == 0
     assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+# A real reshard of the queue's slot under load, with `taskiq worker`s.
+
+DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
+TASKS, FILLER_KEYS = 300, 60
+
+
+@pytest.fixture(scope="module")
+def events_server() -> Iterator[LocalServer]:
+    with LocalServer(need(REDIS_7, "Redis 7")) as server:
+        yield server
+
+
+async def produce(kicker: Any, runs: list[str], per_second: float) -> int:
+    """Kick one task per run, paced; returns how many kicks were refused
+    and sent again (a kick redis-py gave up on was never written)."""
+    task: AsyncKicker[Any, Any] = AsyncKicker(TASK_NAME, kicker, {})
+    retried = 0
+    for run in runs:
+        for _ in range(50):
+            try:
+                await task.kiq(run, 0.02)
+                break
+            except Exception as error:
+                if not is_outage(error):
+                    raise
+                retried += 1
+                await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"kick of {run} refused 50 times")
+        await asyncio.sleep(1 / per_second)
+    return retried
+
+
+@bounded(120)
+async def test_a_slot_resharded_key_by_key_under_load_restarts_no_worker(
+    cluster: LocalCluster, events_server: LocalServer, tmp_path: Path
+) -> None:
+    # A hash tag: the filler keys share the queue's slot, so the migration
+    # moves keys for a few seconds, the queue's own among them.
+    tag = uuid.uuid4().hex[:8]
+    queue = f"reshard-{{{tag}}}"
+    slot = key_slot(queue.encode())
+    source = cluster.node_for(queue)
+    target = other_primary(cluster, source)
+    with SyncRedis(host=HOST, port=source.port) as client:
+        for number in range(FILLER_KEYS):
+            client.set(f"{{{tag}}}:filler:{number}", number, ex=600)
+    env = {
+        "TAC_TOPOLOGY": "cluster",
+        "TAC_TOPOLOGY_NODES": f"{HOST}:{source.port}",
+        "TAC_DRILL_QUEUE": queue,
+        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
+        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
+        "TAC_DRILL_EVENTS_URL": events_server.url,
+    }
+    events = EventLog(events_server.url, events_stream(queue))
+    kicker = AtomicRedisStreamClusterBroker(cluster.url, queue_name=queue)
+    runs = [f"run-{number}" for number in range(TASKS)]
+    workers_named = ["w1", "w2"]
+    try:
+        await kicker.redis.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        with DrillWorkers(env, tmp_path) as workers:
+            for name in workers_named:
+                workers.start(name)
+            for name in workers_named:
+                ready = await events.wait_for("ready", 30, worker=name)
+                assert ready is not None, workers.log(name)
+            producer = asyncio.create_task(produce(kicker, runs, 100))
+            await asyncio.sleep(0.5)
+            cluster.begin_migration(slot, source, target)
+            started = time.monotonic()
+            moved = await asyncio.to_thread(
+                cluster.migrate_keys, slot, source, target, 0.05
+            )
+            cluster.finish_migration(slot, target)
+            migrated = time.monotonic() - started
+            retried = await producer
+            for run in runs:
+                finished = await events.wait_for("finished", 30, run)
+                assert finished is not None, (run, workers.log("w1"))
+            # Once nothing is pending no task can run again.
+            assert await drained(kicker, queue, 15) is not None
+            # Reads whatever was reported after the last wait.
+            await events.wait_for("nothing", 0.5)
+            alive = [workers.processes[name].poll() is None for name in workers_named]
+            logs = {name: workers.log(name) for name in workers_named}
+        seen = events.events.seen
+        starts = Counter(run for _, event, run, _ in seen if event == "started")
+        readies = Counter(worker for _, event, _, worker in seen if event == "ready")
+        twice = sorted(run for run, count in starts.items() if count > 1)
+        print(
+            f"\nreshard under load: {moved} keys moved one by one in"
+            f" {migrated:.2f} s while {TASKS} tasks ran; kicks sent again"
+            f" {retried}; tasks run twice {len(twice)}; worker starts"
+            f" {dict(readies)}"
+        )
+        assert alive == [True, True], logs
+        assert readies == dict.fromkeys(workers_named, 1), logs
+        assert twice == [], logs
+        assert set(starts) == set(runs)
+        assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+    finally:
+        await kicker.shutdown()
+        await events.aclose()
