@@ -28,7 +28,7 @@ from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.server_errors import is_outage
-from tests.test_cluster import pending
+from tests.test_cluster import drill_env, pending
 from tests.topologies import (
     HOST,
     ClusterNode,
@@ -144,7 +144,6 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
 
 # A real reshard of the queue's slot under load, with `taskiq worker`s.
 
-DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
 TASKS, FILLER_KEYS = 300, 60
 
 
@@ -189,14 +188,7 @@ async def test_a_slot_resharded_key_by_key_under_load_restarts_no_worker(
     with SyncRedis(host=HOST, port=source.port) as client:
         for number in range(FILLER_KEYS):
             client.set(f"{{{tag}}}:filler:{number}", number, ex=600)
-    env = {
-        "TAC_TOPOLOGY": "cluster",
-        "TAC_TOPOLOGY_NODES": f"{HOST}:{source.port}",
-        "TAC_DRILL_QUEUE": queue,
-        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
-        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
-        "TAC_DRILL_EVENTS_URL": events_server.url,
-    }
+    env = drill_env(source, queue, events_server)
     events = EventLog(events_server.url, events_stream(queue))
     kicker = AtomicRedisStreamClusterBroker(cluster.url, queue_name=queue)
     runs = [f"run-{number}" for number in range(TASKS)]
