@@ -21,10 +21,12 @@ from typing import Any
 
 import pytest
 from redis import Redis as SyncRedis
+from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.cluster_client import SlotRoutedClient
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.server_errors import is_outage
@@ -73,6 +75,19 @@ async def kick(broker: Any, stream: str, tag: str, count: int) -> set[str]:
     return bodies
 
 
+def kick_asking(target: ClusterNode, stream: str, tag: str, count: int) -> set[str]:
+    """Kicks sent to the migration's target, each after ASKING on the same
+    connection, as an ASK redirection is followed."""
+    bodies = {f"{stream}/{tag}-{number}" for number in range(count)}
+    with SyncRedis(host=HOST, port=target.port) as client:
+        for body in sorted(bodies):
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("ASKING")
+            pipe.xadd(stream, {"data": body})
+            pipe.execute()
+    return bodies
+
+
 async def drained(
     broker: AtomicRedisStreamClusterBroker, stream: str, timeout: float
 ) -> float | None:
@@ -83,6 +98,38 @@ async def drained(
             return time.monotonic()
         await asyncio.sleep(0.05)
     return None
+
+
+@bounded(30)
+async def test_reads_and_script_calls_follow_an_ask_on_one_connection(
+    cluster: LocalCluster,
+) -> None:
+    # The stream moved, its slot not handed over yet: the source answers
+    # ASK. redis-py sends ASKING on one pooled connection and the command on
+    # the next; with two idle connections to the target, never the same one.
+    stream = f"asked-{uuid.uuid4().hex[:8]}"
+    slot = key_slot(stream.encode())
+    source = cluster.node_for(stream)
+    target = other_primary(cluster, source)
+    redis = RedisCluster.from_url(cluster.url, reinitialize_steps=0)
+    client = SlotRoutedClient(redis)
+    try:
+        await redis.xgroup_create(stream, "g", id="0", mkstream=True)
+        entry_id = await redis.xadd(stream, {"data": "x"})
+        cluster.begin_migration(slot, source, target)
+        assert cluster.migrate_keys(slot, source, target) == 1
+        node = redis.get_node(host=HOST, port=target.port)
+        assert node is not None
+        await asyncio.gather(
+            *(redis.execute_command("PING", target_nodes=node) for _ in range(2))
+        )
+        read = await client.xreadgroup("g", "c", {stream: ">"}, count=10)
+        assert [[entry[0] for entry in entries] for _, entries in read] == [[entry_id]]
+        pending_count = "return redis.call('XPENDING', KEYS[1], ARGV[1])[1]"
+        assert await client.execute_command("EVAL", pending_count, 1, stream, "g") == 1
+    finally:
+        cluster.finish_migration(slot, target)
+        await redis.aclose()
 
 
 @bounded(60)
@@ -119,7 +166,17 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     await asyncio.sleep(max(0.0, migrating + 3.0 - time.monotonic()))
     assert not consumer.task.done()
     assert await pending(broker, stream) > 0
+
+    # The keys moved, the slot not yet handed over: the source answers ASK
+    # for all of them (kicks here follow it as a cluster client should).
     moved = await asyncio.to_thread(cluster.migrate_keys, slot, source, target)
+    keys_moved = time.monotonic()
+    asked = kick_asking(target, stream, "asked", 10)
+    asked_delivered = await consumer.wait_for(asked, 3.0)
+    assert asked_delivered is not None, sorted(asked - set(consumer.bodies))
+    # Two idle timeouts: heartbeats must reach the moved stream too.
+    await asyncio.sleep(max(0.0, keys_moved + 2 * IDLE_MS / 1000 - time.monotonic()))
+    assert not consumer.task.done()
     cluster.finish_migration(slot, target)
     finished = time.monotonic()
 
@@ -134,8 +191,10 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     twice = sorted({b for b in consumer.bodies if consumer.bodies.count(b) > 1})
     print(
         f"\nslot migrating 3 s: {len(during)} entries kicked during it delivered"
-        f" {delivered - migrating:.2f} s in; {moved} keys moved; all acked"
-        f" {acked - finished:.2f} s after it ended; run twice: {twice}"
+        f" {delivered - migrating:.2f} s in; {moved} keys moved, then"
+        f" {len(asked)} kicked delivered {asked_delivered - keys_moved:.2f} s"
+        f" after; all acked {acked - finished:.2f} s after the slot moved;"
+        f" run twice: {twice}"
     )
     assert twice == []
     assert await pending(broker, stream) == 0
