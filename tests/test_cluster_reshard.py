@@ -29,7 +29,10 @@ from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
 from taskiq_atomic_claim.cluster_client import SlotRoutedClient
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_outage
+from tests.receiver import start_as_the_receiver_does
 from tests.test_cluster import drill_env, pending
 from tests.topologies import (
     HOST,
@@ -199,6 +202,65 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     assert twice == []
     assert await pending(broker, stream) == 0
     assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+@bounded(60)
+async def test_a_dead_letter_refused_by_a_migrating_slot_stops_no_heartbeat(
+    cluster: LocalCluster, brokers: StartedBrokers
+) -> None:
+    # A task that ended without its ack is dead-lettered by the heartbeat,
+    # a call the migrating slot refuses (the dead-letter stream is not
+    # there): the other entries must be heartbeated all the same.
+    stream = f"dropped-{uuid.uuid4().hex[:8]}"
+    slot = key_slot(stream.encode())
+    source = cluster.node_for(stream)
+    target = other_primary(cluster, source)
+    broker = await brokers.start(
+        AtomicRedisStreamClusterBroker(
+            cluster.url,
+            queue_name=stream,
+            consumer_name="only",
+            consumer_id="0",
+            idle_timeout=IDLE_MS,
+            claim_interval=INTERVAL_MS,
+            xread_block=500,
+        )
+    )
+    cluster.begin_migration(slot, source, target)
+    try:
+        await kick(broker, stream, "x", 2)
+        listener = broker.listen()
+        dropped = await asyncio.wait_for(listener.__anext__(), 5)
+        held = await asyncio.wait_for(listener.__anext__(), 5)
+        # The receiver's callbacks: one ends without acking, one runs on.
+        await asyncio.create_task(start_as_the_receiver_does(broker, dropped))
+        running = asyncio.Event()
+
+        async def run_held() -> None:
+            await start_as_the_receiver_does(broker, held)
+            await running.wait()
+            acked = held.ack()
+            if acked is not None:
+                await acked
+
+        callback = asyncio.create_task(run_held())
+        await asyncio.sleep(3 * IDLE_MS / 1000)
+        entries: Any = await broker.redis.xpending_range(stream, "taskiq", "-", "+", 10)
+        idle = {
+            text(entry["message_id"]): entry["time_since_delivered"]
+            for entry in entries
+        }
+        held_id = held.data.entry_id  # type: ignore[attr-defined]
+        assert idle[held_id] < IDLE_MS, idle
+    finally:
+        await asyncio.to_thread(cluster.migrate_keys, slot, source, target)
+        cluster.finish_migration(slot, target)
+    running.set()
+    await callback
+    assert await drained(broker, stream, 10) is not None
+    dead = StreamKeys(stream, "taskiq").dead_letters
+    assert await broker.redis.xlen(dead) == 1
+    await listener.aclose()
 
 
 # A real reshard of the queue's slot under load, with `taskiq worker`s.
