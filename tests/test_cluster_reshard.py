@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from redis import Redis as SyncRedis
@@ -76,6 +76,37 @@ async def kick(broker: Any, stream: str, tag: str, count: int) -> set[str]:
     for body in sorted(bodies):
         await broker.kick(message(body, stream))
     return bodies
+
+
+class MovingSlot(NamedTuple):
+    """A fresh stream, its slot, the slot's primary and the one it is to move
+    to, and a started broker consuming the stream."""
+
+    stream: str
+    slot: int
+    source: ClusterNode
+    target: ClusterNode
+    broker: AtomicRedisStreamClusterBroker
+
+    @classmethod
+    async def start(
+        cls, cluster: LocalCluster, brokers: StartedBrokers, prefix: str
+    ) -> MovingSlot:
+        stream = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        source = cluster.node_for(stream)
+        broker = await brokers.start(
+            AtomicRedisStreamClusterBroker(
+                cluster.url,
+                queue_name=stream,
+                consumer_name="only",
+                consumer_id="0",
+                idle_timeout=IDLE_MS,
+                claim_interval=INTERVAL_MS,
+                xread_block=500,
+            )
+        )
+        target = other_primary(cluster, source)
+        return cls(stream, key_slot(stream.encode()), source, target, broker)
 
 
 def kick_asking(target: ClusterNode, stream: str, tag: str, count: int) -> set[str]:
@@ -139,21 +170,8 @@ async def test_reads_and_script_calls_follow_an_ask_on_one_connection(
 async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     cluster: LocalCluster, brokers: StartedBrokers
 ) -> None:
-    stream = f"stalled-{uuid.uuid4().hex[:8]}"
-    slot = key_slot(stream.encode())
-    source = cluster.node_for(stream)
-    target = other_primary(cluster, source)
-    broker = await brokers.start(
-        AtomicRedisStreamClusterBroker(
-            cluster.url,
-            queue_name=stream,
-            consumer_name="only",
-            consumer_id="0",
-            idle_timeout=IDLE_MS,
-            claim_interval=INTERVAL_MS,
-            xread_block=500,
-        )
-    )
+    moving = await MovingSlot.start(cluster, brokers, "stalled")
+    stream, slot, source, target, broker = moving
     # Each task's start is recorded, as under taskiq's receiver: the start
     # hash is one more key of the ack that may sit on either node.
     consumer = Consumer(broker, start=True, detached_acks=True)
@@ -211,21 +229,8 @@ async def test_a_dead_letter_refused_by_a_migrating_slot_stops_no_heartbeat(
     # A task that ended without its ack is dead-lettered by the heartbeat,
     # a call the migrating slot refuses (the dead-letter stream is not
     # there): the other entries must be heartbeated all the same.
-    stream = f"dropped-{uuid.uuid4().hex[:8]}"
-    slot = key_slot(stream.encode())
-    source = cluster.node_for(stream)
-    target = other_primary(cluster, source)
-    broker = await brokers.start(
-        AtomicRedisStreamClusterBroker(
-            cluster.url,
-            queue_name=stream,
-            consumer_name="only",
-            consumer_id="0",
-            idle_timeout=IDLE_MS,
-            claim_interval=INTERVAL_MS,
-            xread_block=500,
-        )
-    )
+    moving = await MovingSlot.start(cluster, brokers, "dropped")
+    stream, slot, source, target, broker = moving
     cluster.begin_migration(slot, source, target)
     try:
         await kick(broker, stream, "x", 2)
