@@ -253,9 +253,15 @@ class InFlight:
     async def beat(self, client: Any) -> None:
         """One heartbeat: dead-letter what the receiver dropped, hand back
         what sat unread too long, keep the rest from being reclaimed."""
-        await self.dead_letter_dropped(client)
-        await self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000)
-        await self.set_idle(client, 0, self.deliveries())
+        try:
+            await self.dead_letter_dropped(client)
+            await self.hand_back_unyielded(
+                client, 3 * self.settings.idle_timeout / 1000
+            )
+        finally:
+            # Whatever failed (a dead letter refused while its slot migrates,
+            # say), the rest is kept: the failure is raised after.
+            await self.set_idle(client, 0, self.deliveries())
 
     async def dead_letter_dropped(self, client: Any) -> None:
         for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
