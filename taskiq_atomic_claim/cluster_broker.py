@@ -31,8 +31,7 @@ from taskiq_atomic_claim.group_recovery import first_position
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
-from taskiq_atomic_claim.server_calls import UNREACHABLE
-from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
@@ -132,6 +131,12 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                     " hash slot (Redis reads a different hash tag in the name);"
                     " rename it, e.g. with a single {tag}"
                 )
+        # redis-py's asyncio client answers an ASK (a slot migrating) with
+        # ASKING on one pooled connection and the command on another, which
+        # the target answers MOVED; every 5th MOVED it would then close every
+        # connection of every node, failing calls under way (acks, reads)
+        # that had nothing to do with the slot. MOVED still updates the slot.
+        connection_kwargs.setdefault("reinitialize_steps", 0)
         super().__init__(
             url,
             queue_name=queue_name,
@@ -170,20 +175,27 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
     async def claim_streams(
         self, client: Any, streams: list[str]
     ) -> list[ClaimOutcome]:
-        """A claim cycle for streams of one slot; with several slots, one
-        whose primary is unreachable is skipped this cycle instead of
-        stopping the claims (and reads) of all the others."""
+        """A claim cycle for streams of one slot, skipped this cycle (tried
+        again the next) while the slot migrates, or, with several slots,
+        while its primary is unreachable: the reads (and the other slots'
+        claims) go on."""
         try:
             outcomes = await super().claim_streams(client, streams)
         except Exception as error:
-            if set(streams) == set(self.streams) or not is_outage(error):
+            fault = classify(error)
+            # A migrating slot refuses the claim (its keys are split between
+            # two primaries) but serves reads: never stop them for it.
+            everything = set(streams) == set(self.streams)
+            if not fault.is_outage or (everything and fault is not Fault.MIGRATING):
                 raise
             for stream in streams:
                 if stream not in self._unclaimable:
                     self._unclaimable.add(stream)
                     logger.warning(
-                        "Cannot claim on stream %r, claiming the others meanwhile: %s",
+                        "Cannot claim on stream %r (%s), trying again every"
+                        " claim interval: %s",
                         stream,
+                        fault.value,
                         error,
                     )
             return [ClaimOutcome(skipped=True) for _ in streams]
@@ -212,7 +224,10 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
                 )
             except ResponseError as error:  # BUSYGROUP, mostly
                 logger.debug("%s", error)
-            except (*UNREACHABLE, RedisClusterException) as error:
+            except Exception as error:
+                # Unreachable, or the slot migrating ("TTL exhausted").
+                if not (is_outage(error) or isinstance(error, RedisClusterException)):
+                    raise
                 logger.warning(
                     "Consumer group %r on stream %r not created yet: %s",
                     self.consumer_group_name,

@@ -20,6 +20,12 @@ route right (redis-py 7.2 to 8.1 alike):
   broker sends it anyway): streams are read per slot, concurrently, and a
   slot whose primary is unreachable rests while the others are read.
 
+- an ASK redirection (a slot migrating, the key already moved): redis-py's
+  asyncio client sends ASKING on one pooled connection and the command on
+  another, which the target answers with MOVED back, until "TTL exhausted".
+  Script calls and reads it gave up on are sent once more here, following
+  the ASK on one connection.
+
 A topology change shows up as CLUSTERDOWN, TRYAGAIN, an uncovered slot or a
 node that cannot be reached; ``server_errors.classify`` calls those an
 outage, so the loop waits them out instead of stopping.
@@ -35,9 +41,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from redis.asyncio import RedisCluster
-from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    MovedError,
+    RedisClusterException,
+    ResponseError,
+)
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.replies import text
@@ -49,11 +61,14 @@ from taskiq_atomic_claim.server_info import ServerInfo
 # (stream, [(entry id, fields), ...]) as XREADGROUP replies under RESP2.
 StreamEntries = list[tuple[Any, Any]]
 
-_MOVABLE_KEY_SCRIPTS = frozenset({"FCALL", "FCALL_RO"})
+# Script calls, sent to the primary of their first key's slot: FCALL's keys
+# are "movable" (see the module docstring), and all of them may need an ASK
+# followed here.
+_SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVAL"})
 # Sent to their key's primary as the only target: redis-py's cluster client
 # resends a command it routed itself after a lost connection, and a resent
 # XADD on a server without IDMP is a second entry (kicking.py retries).
-_KICK_COMMANDS = frozenset({"XADD", "XCFGSET"})
+_KICK_COMMANDS = frozenset({"XADD"})
 
 
 def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
@@ -128,19 +143,44 @@ class SlotRoutedClient:
             return min(infos, key=_age)
         if command == "FUNCTION" and text(args[1]).upper() == "LIST":
             return _libraries_everywhere(await self._on_every_primary(args, options))
-        key = None
-        if command in _MOVABLE_KEY_SCRIPTS and len(args) > 3 and int(args[2]) > 0:
-            key = args[3]
-        elif command in _KICK_COMMANDS:
-            key = args[1]
-        if key is not None:
-            node = await self.primary_for(text(key))
-            if command in _KICK_COMMANDS:
-                await _drop_closed_connections(node)
+        if command in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
+            return await self._on_slot(text(args[3]), args, options)
+        if command in _KICK_COMMANDS:
+            await _drop_closed_connections(await self.primary_for(text(args[1])))
+            return await self._on_slot(text(args[1]), args, options)
+        return await self.cluster.execute_command(*args, **options)
+
+    async def _on_slot(self, key: str, args: Any, options: dict[str, Any]) -> Any:
+        """``args`` on the primary serving ``key``'s slot; if redis-py gave
+        up on redirections, once more following an ASK on one connection."""
+        node = await self.primary_for(key)
+        try:
             return await self.cluster.execute_command(
                 *args, target_nodes=node, **options
             )
-        return await self.cluster.execute_command(*args, **options)
+        except ClusterError as error:
+            if isinstance(error, ResponseError):  # CLUSTERDOWN
+                raise
+            # "TTL exhausted.": never run, so it is safe to send again.
+            return await self._following_ask(key, args, options, error)
+
+    async def _following_ask(
+        self, key: str, args: Any, options: dict[str, Any], gave_up: Exception
+    ) -> Any:
+        source = await self.primary_for(key)
+        try:
+            # The node's own call follows no redirection: an ASK comes back.
+            return await source.execute_command(*args, **options)
+        except AskError as ask:
+            target = self.cluster.get_node(host=ask.host, port=ask.port)
+            if isinstance(ask, MovedError) or target is None:
+                raise gave_up from ask
+            # ASKING and the command on one connection, as the target needs.
+            call = PipelineCommand(1, *args, **options)
+            await target.execute_pipeline([PipelineCommand(0, "ASKING"), call])
+            if isinstance(call.result, BaseException):
+                raise call.result from ask
+            return call.result
 
     async def type(self, name: str) -> Any:
         """TYPE, for the loop's start-up check of the stream keys."""
@@ -282,10 +322,9 @@ class SlotRoutedClient:
             # and delivery count.
             options["claim_min_idle_time"] = claim_min_idle_time
         pieces += ["STREAMS", *group, *group.values()]
-        node = await self.primary_for(next(iter(group)))
         # Bounded: on a half-open connection (socket_timeout None) the read
         # would wait for ever and its slot would never be read again.
-        call = self.cluster.execute_command(*pieces, target_nodes=node, **options)
+        call = self._on_slot(next(iter(group)), pieces, options)
         reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
         fetched = _as_pairs(reply)
         if fetched and self._on_delivered is not None:

@@ -91,10 +91,6 @@ class Heartbeating:
             ),
         )
 
-    async def set_idle(self, client: Any, idle_ms: int) -> None:
-        """Set the idle time of every in-flight entry this consumer still owns."""
-        await self.in_flight.set_idle(client, idle_ms, self.in_flight.deliveries())
-
     async def stop_heartbeat(self) -> None:
         task, self._heartbeat = self._heartbeat, None
         if task is None:

@@ -126,9 +126,6 @@ class InFlight:
             delivery = Delivery(stream, entry_id, now, crashes=crashes)
             self._held.setdefault((stream, entry_id), delivery)
 
-    def holds(self, stream: str, entry_id: str) -> bool:
-        return (stream, entry_id) in self._held
-
     def discard(self, stream: str, entry_id: str) -> None:
         delivery = self._held.pop((stream, entry_id), None)
         if delivery is not None and delivery.task is not None:
@@ -140,9 +137,6 @@ class InFlight:
 
     def __getitem__(self, stream: str) -> set[str]:
         return {entry_id for (s, entry_id) in self._held if s == stream}
-
-    def __contains__(self, stream: object) -> bool:
-        return any(s == stream for s, _ in self._held)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -259,9 +253,15 @@ class InFlight:
     async def beat(self, client: Any) -> None:
         """One heartbeat: dead-letter what the receiver dropped, hand back
         what sat unread too long, keep the rest from being reclaimed."""
-        await self.dead_letter_dropped(client)
-        await self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000)
-        await self.set_idle(client, 0, self.deliveries())
+        try:
+            await self.dead_letter_dropped(client)
+            await self.hand_back_unyielded(
+                client, 3 * self.settings.idle_timeout / 1000
+            )
+        finally:
+            # Whatever failed (a dead letter refused while its slot migrates,
+            # say), the rest is kept: the failure is raised after.
+            await self.set_idle(client, 0, self.deliveries())
 
     async def dead_letter_dropped(self, client: Any) -> None:
         for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:

@@ -62,11 +62,6 @@ def slot_anchor(stream: str) -> str:
     return "{" + _slot_tag(stream) + "}:" + encoded
 
 
-def legacy_slot_anchor(stream: str) -> str:
-    """What releases before the injective naming used in its place."""
-    return stream if _hash_tag(stream) is not None else "{" + stream + "}"
-
-
 @dataclass(frozen=True)
 class StreamKeys:
     """Coordination keys for one (stream, consumer group) pair."""
@@ -86,12 +81,6 @@ class StreamKeys:
     def dead_letters(self) -> str:
         """A stream (data, never expires) of entries the group gave up on."""
         return f"{PREFIX}:dead:{slot_anchor(self.stream)}:{self.group}"
-
-    @property
-    def legacy_dead_letters(self) -> str:
-        """Where earlier releases wrote this pair's dead letters (shared by
-        ``s`` and ``{s}``); ``doctor --fix`` moves them to ``dead_letters``."""
-        return f"{PREFIX}:dead:{legacy_slot_anchor(self.stream)}:{self.group}"
 
     @property
     def started(self) -> str:

@@ -2,8 +2,8 @@
 reply, and whether it runs out of memory.
 
 Callers pass one of these to ``ScriptRunner.call``, which refuses a call with
-the wrong number of keys before any round trip. At import (of ``scripts.py``)
-each declaration is checked against its Lua file's header (the ``KEYS[n]``
+the wrong number of keys before any round trip. At import ``scripts.py``
+checks each declaration against its Lua file's header (the ``KEYS[n]``
 lines), and every Lua file must be declared here, so the two cannot drift
 apart.
 
@@ -22,10 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from taskiq_atomic_claim.scripts import ScriptLibrary
+from typing import Any, Generic, TypeVar
 
 ReplyT = TypeVar("ReplyT")
 
@@ -105,10 +102,6 @@ DROP_TRIMMED: Operation[list[Any]] = Operation(
 HAND_BACK: Operation[list[Any]] = Operation(
     "hand_back", ("stream", "started"), allow_oom=True
 )
-# How many dead letters moved. The operator's: refused out of memory.
-MIGRATE_DEAD_LETTERS: Operation[int] = Operation(
-    "migrate_dead_letters", ("old_dead_letters", "new_dead_letters")
-)
 # [[dead-letter id, new stream id], ...]. Adds entries to the stream, as a
 # kick does: refused out of memory.
 REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
@@ -132,34 +125,8 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     DELETE_IDLE_CONSUMER,
     DROP_TRIMMED,
     HAND_BACK,
-    MIGRATE_DEAD_LETTERS,
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
     START,
 )
-
-
-def check_declarations(
-    library: ScriptLibrary, operations: tuple[Operation[Any], ...] = OPERATIONS
-) -> None:
-    """Raise unless ``operations`` and the library's Lua files match: the
-    same names, and each with the key count its header declares."""
-    declared = {operation.name: operation for operation in operations}
-    if set(declared) != set(library.scripts):
-        raise RuntimeError(
-            "lua/ and operations.py disagree: undeclared"
-            f" {sorted(set(library.scripts) - set(declared))}, without a Lua"
-            f" file {sorted(set(declared) - set(library.scripts))}"
-        )
-    for name, script in library.scripts.items():
-        if script.repeated_keys != declared[name].repeated:
-            raise RuntimeError(
-                f"lua/{name}.lua and operations.py disagree on whether its keys"
-                " come in a group per item"
-            )
-        if script.num_keys != declared[name].num_keys:
-            raise RuntimeError(
-                f"lua/{name}.lua declares {script.num_keys} KEYS, operations.py"
-                f" {declared[name].num_keys} ({', '.join(declared[name].keys)})"
-            )

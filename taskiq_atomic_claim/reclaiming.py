@@ -101,7 +101,8 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             f"acks of consumer {self.consumer_name}",
             cap=1.0,
             consequence=f"an ack still failing after {self._ack_patience:.1f} s"
-            " is dropped and its task runs again once reclaimed",
+            " is dropped and its task runs again once reclaimed (a hash slot"
+            " migrating is waited out)",
         )
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -373,6 +374,11 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
                             raise
                         await drop_idle_connections(self._connection, error)
                         delay = self._ack_backoff.failed(error)
+                        if classify(error) is Fault.MIGRATING:
+                            # Nothing takes the entry meanwhile: it is still
+                            # heartbeated, and a claim needs the ack's keys
+                            # and more on one node. Wait the move out.
+                            give_up = time.monotonic() + self._ack_patience
                         remaining = give_up - time.monotonic()
                         if remaining <= 0:
                             return

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from taskiq_atomic_claim.operations import OPERATIONS, Operation, check_declarations
+from taskiq_atomic_claim.operations import OPERATIONS, Operation
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script
 from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
@@ -181,6 +181,33 @@ class ScriptLibrary:
 LIBRARY = ScriptLibrary.from_directory(
     lua_directory(), frozenset(op.name for op in OPERATIONS if op.allow_oom)
 )
+
+
+def check_declarations(
+    library: ScriptLibrary, operations: tuple[Operation[Any], ...] = OPERATIONS
+) -> None:
+    """Raise unless ``operations`` and the library's Lua files match: the
+    same names, and each with the key count its header declares."""
+    declared = {operation.name: operation for operation in operations}
+    if set(declared) != set(library.scripts):
+        raise RuntimeError(
+            "lua/ and operations.py disagree: undeclared"
+            f" {sorted(set(library.scripts) - set(declared))}, without a Lua"
+            f" file {sorted(set(declared) - set(library.scripts))}"
+        )
+    for name, script in library.scripts.items():
+        if script.repeated_keys != declared[name].repeated:
+            raise RuntimeError(
+                f"lua/{name}.lua and operations.py disagree on whether its keys"
+                " come in a group per item"
+            )
+        if script.num_keys != declared[name].num_keys:
+            raise RuntimeError(
+                f"lua/{name}.lua declares {script.num_keys} KEYS, operations.py"
+                f" {declared[name].num_keys} ({', '.join(declared[name].keys)})"
+            )
+
+
 check_declarations(LIBRARY)
 
 
@@ -205,10 +232,6 @@ class LibraryStatus:
 
 def mode_for(server: ServerInfo) -> LoadMode:
     return LoadMode.FUNCTIONS if server.functions else LoadMode.SCRIPTS
-
-
-async def detect_mode(client: ScriptClient) -> LoadMode:
-    return mode_for(await read_server_info(client))
 
 
 class ScriptRunner:

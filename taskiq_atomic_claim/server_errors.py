@@ -11,6 +11,13 @@ first word (``OOM`` -> ``OutOfMemoryError``, ``READONLY`` ->
 ``ResponseError`` and are told apart here by that same first word. Redis 6.2
 wraps an error raised inside a script as ``ERR Error running script ...:
 -OOM ...``; the inner reply's code is what counts.
+
+While a Cluster hash slot migrates between primaries, a call whose keys the
+source holds only some of is refused (TRYAGAIN), and one it holds none of is
+redirected (ASK), where the target refuses it too unless it holds them all;
+redis-py follows redirections and retries TRYAGAIN 16 times, then raises
+``ClusterError("TTL exhausted.")``. All of that is the slot moving, not a
+usage error: the call works once the slot has moved.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import re
 from enum import Enum
 
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
+    ClusterError,
     MasterDownError,
+    MovedError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -45,6 +55,10 @@ class Fault(Enum):
     # The server answers but refuses for now: out of memory, busy with a
     # script, a cluster changing its topology.
     REFUSING = "Redis refusing commands for now"
+    # A Cluster hash slot moving between primaries (a reshard): calls with
+    # keys on both nodes are refused, single-key ones redirected, until the
+    # slot has moved. Unlike REFUSING, reads of the slot's stream still work.
+    MIGRATING = "hash slot migrating between primaries"
     # NOGROUP: the stream or its consumer group is gone.
     GROUP_MISSING = "consumer group missing"
     # Anything else: retrying cannot help; raise.
@@ -53,7 +67,12 @@ class Fault(Enum):
     @property
     def is_outage(self) -> bool:
         """Whether waiting (with backoff) and retrying is the answer."""
-        return self in (Fault.UNREACHABLE, Fault.DEMOTED, Fault.REFUSING)
+        return self in (
+            Fault.UNREACHABLE,
+            Fault.DEMOTED,
+            Fault.REFUSING,
+            Fault.MIGRATING,
+        )
 
 
 # Error reply codes (first word) that retrying can get past; any other
@@ -67,7 +86,10 @@ _CODE_FAULTS = {
     "BUSY": Fault.REFUSING,
     "LOADING": Fault.REFUSING,
     "CLUSTERDOWN": Fault.REFUSING,
-    "TRYAGAIN": Fault.REFUSING,
+    "TRYAGAIN": Fault.MIGRATING,
+    # Redirections redis-py did not follow to the end (it follows them).
+    "ASK": Fault.MIGRATING,
+    "MOVED": Fault.MIGRATING,
     # A primary configured with min-replicas-to-write that has too few
     # replicas (one that a failover is leaving): the write was refused.
     "NOREPLICAS": Fault.REFUSING,
@@ -110,6 +132,8 @@ _CLASS_CODES: tuple[tuple[type[ResponseError], str], ...] = (
     (OutOfMemoryError, "OOM"),
     (ReadOnlyError, "READONLY"),
     (TryAgainError, "TRYAGAIN"),
+    (MovedError, "MOVED"),  # an AskError
+    (AskError, "ASK"),
     (MasterDownError, "MASTERDOWN"),
     (ClusterDownError, "CLUSTERDOWN"),
     (NoScriptError, "NOSCRIPT"),
@@ -128,6 +152,9 @@ def classify(error: BaseException) -> Fault:
     if isinstance(error, ResponseError):
         code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
         return _CODE_FAULTS.get(code, Fault.USAGE)
+    if isinstance(error, ClusterError):
+        # redis-py's "TTL exhausted.": redirected or told TRYAGAIN 16 times.
+        return Fault.MIGRATING
     cluster_in_flux = isinstance(error, SlotNotCoveredError) or (
         isinstance(error, RedisClusterException)
         and any(text in str(error) for text in _CLUSTER_IN_FLUX_TEXTS)
@@ -152,6 +179,10 @@ _NOT_SENT_TEXTS = (
 )
 
 
+# Replies that refuse a command (or redirect it) before it runs.
+_REFUSALS = (Fault.DEMOTED, Fault.REFUSING, Fault.MIGRATING)
+
+
 def certainly_not_written(error: BaseException) -> bool:
     """Whether a write that failed with ``error`` certainly changed nothing:
     it never reached the server (the connection could not be made) or the
@@ -162,14 +193,14 @@ def certainly_not_written(error: BaseException) -> bool:
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, ResponseError):
-            return classify(seen) in (Fault.DEMOTED, Fault.REFUSING)
+            return classify(seen) in _REFUSALS
         if isinstance(seen, ConnectionRefusedError):
             return True
         if isinstance(seen, RedisConnectionError | RedisTimeoutError) and any(
             text in str(seen) for text in _NOT_SENT_TEXTS
         ):
             return True
-        if classify(seen) is Fault.REFUSING:
+        if classify(seen) in _REFUSALS:
             # The cluster client's own "no node serves this slot now".
             return True
         seen = seen.__cause__ or seen.__context__

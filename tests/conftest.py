@@ -258,6 +258,7 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     "test_readonly": ("redis-6.2.14", "redis-7.0.15"),  # 6.2: script READONLY
     "test_oom": ("redis-8.6.3", "redis-7.0.15"),  # 8.6: most ran 3-4 times
     "test_poison_neighbours": ("redis-7.0.15",),  # Lua path; started_semantics: 8.6
+    "test_docs": ("redis-7.0.15",),  # the README's app; nothing server-specific
 }
 
 

@@ -31,9 +31,9 @@ from taskiq_atomic_claim.admin.acl import (
     worker_commands,
     worker_key_patterns,
 )
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
 from tests.conftest import (

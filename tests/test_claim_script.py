@@ -9,9 +9,9 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import server_command

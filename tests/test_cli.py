@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
 from tests.conftest import Server, server_command
 

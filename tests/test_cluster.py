@@ -322,7 +322,7 @@ async def test_entries_read_while_the_consumer_is_busy_are_heartbeated(
     await asyncio.sleep(3 * IDLE_MS / 1000)
     assert hungry.bodies == []
     await hungry.stop()
-    assert streams[1] in busy.in_flight and busy.in_flight[streams[1]]
+    assert busy.in_flight[streams[1]]
     later = await asyncio.wait_for(listener.__anext__(), 5)
     assert later.data == b"second"
     for delivered in (received, later):
@@ -396,6 +396,20 @@ DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
 DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
 
 
+def drill_env(
+    startup: ClusterNode, queue: str, events_server: LocalServer
+) -> dict[str, str]:
+    """``tests.topology_app``'s settings for a worker on ``queue``."""
+    return {
+        "TAC_TOPOLOGY": "cluster",
+        "TAC_TOPOLOGY_NODES": f"{HOST}:{startup.port}",
+        "TAC_DRILL_QUEUE": queue,
+        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
+        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
+        "TAC_DRILL_EVENTS_URL": events_server.url,
+    }
+
+
 async def _drill_round(
     cluster: LocalCluster,
     events_server: LocalServer,
@@ -404,14 +418,7 @@ async def _drill_round(
 ) -> dict[str, float]:
     queue = f"drill-{uuid.uuid4().hex[:8]}"
     run = "round-0"
-    env = {
-        "TAC_TOPOLOGY": "cluster",
-        "TAC_TOPOLOGY_NODES": f"{HOST}:{cluster.primaries[0].port}",
-        "TAC_DRILL_QUEUE": queue,
-        "TAC_DRILL_IDLE_TIMEOUT": str(DRILL_IDLE_MS),
-        "TAC_DRILL_CLAIM_INTERVAL": str(DRILL_INTERVAL_MS),
-        "TAC_DRILL_EVENTS_URL": events_server.url,
-    }
+    env = drill_env(cluster.primaries[0], queue, events_server)
     events = EventLog(events_server.url, events_stream(queue))
     kicker = AtomicRedisStreamClusterBroker(cluster.url, queue_name=queue)
     times: dict[str, float] = {}

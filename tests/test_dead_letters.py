@@ -17,11 +17,11 @@ from taskiq_atomic_claim.admin.dead_letters import (
     list_dead_letters,
     requeue_dead_letters,
 )
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import START
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server

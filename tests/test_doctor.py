@@ -311,62 +311,6 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
             await broker.shutdown()
 
 
-def old_dead_letter(stream: str, group: str, data: str) -> dict[Any, Any]:
-    """A dead letter as earlier releases' dead_letter script wrote it."""
-    return {
-        "data": data,
-        "dead_letter_stream": stream,
-        "dead_letter_group": group,
-        "dead_letter_id": "1-0",
-        "dead_letter_deliveries": "6",
-        "dead_letter_reason": "max deliveries",
-    }
-
-
-async def test_fix_moves_dead_letters_from_old_key_names(
-    server: Server, redis: Redis
-) -> None:
-    """Streams ``s`` and ``{s}`` shared ``...:dead:{s}:g`` in earlier releases:
-    doctor finds it and --fix moves each entry to its own pair's key."""
-    await healthy_group(redis)
-    old_key = StreamKeys("s", "g").legacy_dead_letters
-    assert old_key == StreamKeys("{s}", "g").legacy_dead_letters
-    plain, braced = StreamKeys("s", "g"), StreamKeys("{s}", "g")
-    written = []
-    for stream, body in [("s", "a"), ("{s}", "b"), ("s", "c"), ("{s}", "d")] * 130:
-        written.append(await redis.xadd(old_key, old_dead_letter(stream, "g", body)))
-    # A later letter already in the new key: older ones get new ids there.
-    await redis.xadd(braced.dead_letters, old_dead_letter("{s}", "g", "new"))
-
-    found = cli("doctor", "--url", server.url, "--queue", "jobs", "--group", "workers")
-    assert found.returncode == 1, found.stdout + found.stderr
-    assert f"[misplaced-dead-letters] {old_key}" in found.stdout
-
-    fixed = cli(
-        "doctor", "--url", server.url, "--queue", "jobs", "--group", "workers", "--fix"
-    )
-    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
-    assert "moved 520 entries" in fixed.stdout
-    assert await redis.exists(old_key) == 0
-
-    async def data(key: str) -> list[bytes]:
-        entries: Any = await redis.xrange(key)
-        return [fields[b"data"] for _, fields in entries]
-
-    assert await data(plain.dead_letters) == [b"a", b"c"] * 130
-    assert await data(braced.dead_letters) == [b"new", *[b"b", b"d"] * 130]
-    # Ids (when each was dead-lettered) are kept where the target allowed.
-    entries: Any = await redis.xrange(plain.dead_letters)
-    kept = [entry_id for entry_id, _ in entries]
-    assert kept == written[0::2]
-
-    listed = cli("dead-letters", "--url", server.url, "--queue", "{s}", "--group", "g")
-    assert listed.returncode == 0, listed.stderr
-    assert listed.stdout.startswith(f"261 dead letters in {braced.dead_letters}")
-    again = cli("doctor", "--url", server.url, "--queue", "jobs", "--group", "workers")
-    assert again.returncode == 0, again.stdout
-
-
 async def test_doctor_warns_about_settings_that_lose_tasks(
     server: Server, redis: Redis
 ) -> None:

@@ -10,9 +10,9 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.test_cli import cli

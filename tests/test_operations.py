@@ -15,7 +15,6 @@ from taskiq_atomic_claim.operations import (
     OPERATIONS,
     SET_IDLE,
     Operation,
-    check_declarations,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import (
@@ -24,6 +23,7 @@ from taskiq_atomic_claim.scripts import (
     LoadMode,
     ScriptLibrary,
     ScriptRunner,
+    check_declarations,
     declared_key_count,
 )
 
@@ -128,7 +128,6 @@ async def test_functions_carry_the_declared_flags_and_an_unflagged_library_is_ou
         for op in OPERATIONS
     }
     assert {op.name for op in OPERATIONS if not op.allow_oom} == {
-        "migrate_dead_letters",
         "requeue_dead_letters",
         "set_idempotency",
     }

@@ -19,14 +19,14 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
-from taskiq_atomic_claim.harness.soak import durable_server, run_soak
-from taskiq_atomic_claim.harness.soak_accounting import (
+from tests.conftest import _BINARIES, Server
+from tests.soak import durable_server, run_soak
+from tests.soak_accounting import (
     Letter,
     SoakReport,
     Starts,
     judge_dead_letters,
 )
-from tests.conftest import _BINARIES, Server
 from tests.test_broker import message
 
 

@@ -329,6 +329,52 @@ class LocalCluster(_Started):
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no live node serves slot {slot}")
 
+    # A slot moved as `redis-cli --cluster reshard` moves it, one step at a
+    # time, so a test can hold it half-way.
+
+    def begin_migration(
+        self, slot: int, source: ClusterNode, target: ClusterNode
+    ) -> None:
+        """IMPORTING on ``target``, then MIGRATING on ``source``: from here
+        the source redirects what it lacks (ASK), and refuses a call whose
+        keys it holds only some of (TRYAGAIN)."""
+        with _client(target.port) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source.node_id)
+        with _client(source.port) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target.node_id)
+
+    def migrate_keys(
+        self,
+        slot: int,
+        source: ClusterNode,
+        target: ClusterNode,
+        pause: float = 0.0,
+        limit: int = 10_000,
+    ) -> int:
+        """MIGRATE the slot's keys from ``source`` to ``target`` one by one,
+        ``pause`` seconds apart; returns how many moved (at most ``limit``)."""
+        moved = 0
+        with _client(source.port) as client:
+            while moved < limit:
+                keys: Any = client.execute_command("CLUSTER GETKEYSINSLOT", slot, 1)
+                if not keys:
+                    break
+                client.execute_command(
+                    "MIGRATE", HOST, target.port, "", 0, 5000, "KEYS", keys[0]
+                )
+                moved += 1
+                if pause:
+                    time.sleep(pause)
+        return moved
+
+    def finish_migration(self, slot: int, target: ClusterNode) -> None:
+        """The slot is ``target``'s: told to the target first, then to every
+        other primary (the source last ends its MIGRATING state)."""
+        others = [node for node in self.primaries if node is not target and node.alive]
+        for node in [target, *others]:
+            with _client(node.port) as client:
+                client.execute_command("CLUSTER SETSLOT", slot, "NODE", target.node_id)
+
     def replica_for(self, primary: ClusterNode) -> ClusterNode:
         return next(
             node for node in self.replicas if node.replica_of == primary.node_id
@@ -717,18 +763,34 @@ def message(body: str, queue: str) -> BrokerMessage:
 class Consumer:
     """Runs a broker's ``listen()`` in a task, recording (and by default
     acking) every message with the monotonic time it arrived; with ``start``
-    each message's task is started first, as taskiq's receiver does."""
+    each message's task is started first, as taskiq's receiver does. With
+    ``detached_acks`` each message is started and acked in a task of its
+    own, as taskiq's receiver does: a slow ack holds up no delivery."""
 
-    def __init__(self, broker: Any, ack: bool = True, start: bool = False) -> None:
+    def __init__(
+        self,
+        broker: Any,
+        ack: bool = True,
+        start: bool = False,
+        detached_acks: bool = False,
+    ) -> None:
         self.broker = broker
         self.ack = ack
         self.start = start
+        self.detached_acks = detached_acks
+        self.callbacks: set[asyncio.Task[None]] = set()
         self.received: list[tuple[float, str]] = []
         self.listener = broker.listen()
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         async for received in self.listener:
+            if self.detached_acks:
+                callback = asyncio.create_task(self._start_and_ack(received))
+                self.callbacks.add(callback)
+                callback.add_done_callback(self.callbacks.discard)
+                self.received.append((time.monotonic(), text(received.data)))
+                continue
             if self.start:
                 await asyncio.create_task(
                     start_as_the_receiver_does(self.broker, received)
@@ -739,6 +801,14 @@ class Consumer:
             # Recorded once acked: a test that stops the consumer as soon as
             # wait_for() returns must not cancel the last ack.
             self.received.append((arrived, text(received.data)))
+
+    async def _start_and_ack(self, received: Any) -> None:
+        # One task per message, as the receiver's callback: the broker knows
+        # the entry by the task that loaded it until its ack is done.
+        if self.start:
+            await start_as_the_receiver_does(self.broker, received)
+        if self.ack:
+            await received.ack()
 
     @property
     def bodies(self) -> list[str]:

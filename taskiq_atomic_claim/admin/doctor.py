@@ -16,11 +16,6 @@ Findings are data: a kind, a subject, the problem, advice in words and the
   nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
   other versions are loaded. The fix loads it.
-- ``misplaced-dead-letters`` (fixable): a dead-letter stream holding entries
-  of another stream or group: written under the key names of earlier
-  releases, where streams ``s`` and ``{s}`` shared one. The fix moves each
-  entry to the key of the stream and group it records, one atomic batch at
-  a time, so no entry is ever lost or in both.
 - ``pel-size``: a PEL past a threshold: workers fall behind or keep dying.
 - ``stale-pending``: an entry pending for far longer than any idle timeout:
   nobody reclaims this group (no worker runs, or only taskiq-redis 1.2.x
@@ -48,15 +43,10 @@ from taskiq_atomic_claim.admin.inspection import (
     duration,
     inspect_server,
     plural,
-    text,
-)
-from taskiq_atomic_claim.admin.legacy_dead_letters import (
-    DEAD_LETTER_PATTERN,
-    find_misplaced_dead_letters,
-    migrate_dead_letters,
 )
 from taskiq_atomic_claim.durability import durability_risks
 from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
@@ -192,31 +182,6 @@ async def diagnose(
             )
         )
 
-    misplaced, cut = await find_misplaced_dead_letters(client)
-    for found in misplaced:
-        findings.append(
-            Finding(
-                "misplaced-dead-letters",
-                found.key,
-                f"holds dead letters of other streams or groups ({found.sampled}"
-                " among its first entries): written under an earlier release's"
-                " key names, which `dead-letters` and `requeue` no longer read",
-                "moves each to its stream's and group's key",
-                Action.FIX,
-                fixable=True,
-                key=found.key,
-            )
-        )
-    if cut:
-        findings.append(
-            Finding(
-                "misplaced-dead-letters",
-                DEAD_LETTER_PATTERN,
-                "too many keys to check; the scan stopped",
-                action=Action.RERUN_AFTER_FIX,
-            )
-        )
-
     groups_checked = 0
     for stream in inspection.streams:
         if stream.type not in ("stream", "none"):
@@ -343,9 +308,6 @@ async def apply_fixes(
             )
         elif finding.kind == "idle-consumer":
             finding.fixed, finding.outcome = await _delete_consumer(client, finding)
-        elif finding.kind == "misplaced-dead-letters" and finding.key is not None:
-            moved = await migrate_dead_letters(ScriptRunner(), client, finding.key)
-            finding.fixed, finding.outcome = True, f"moved {plural(moved, 'entry')}"
 
 
 async def _expire_lock(

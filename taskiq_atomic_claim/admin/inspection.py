@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
@@ -31,12 +32,6 @@ MAX_SCAN_CALLS = 10_000
 MAX_STREAMS = 1000
 SCAN_DEADLINE_S = 30.0
 DEAD_LETTER_PREFIX = f"{PREFIX}:dead:"
-
-
-def text(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    return str(value)
 
 
 def _optional_text(value: Any) -> str | None:

@@ -111,6 +111,10 @@ def worker_command(app: str, *extra_args: str) -> list[str]:
     ]  # fmt: skip
 
 
+# How long a worker may take to say it is ready.
+WORKER_START_S = 60.0
+
+
 class Worker:
     """A ``taskiq worker`` process group, killed with the group."""
 
@@ -241,16 +245,19 @@ class Drill:
 
     async def one_round(self, number: int) -> DrillRound:
         run_id = f"round-{number}"
-        deadline = time.monotonic() + self.give_up_after
         with running_workers() as workers:
             doomed_name = f"doomed-{number}"
             doomed = self.worker(doomed_name)
             workers.append(doomed)
+            # A worker's start-up is not what a round measures: on a loaded
+            # machine importing taskiq alone can outlast a short give-up.
+            started_by = time.monotonic() + max(self.give_up_after, WORKER_START_S)
             if (
-                await self.events.wait_for("ready", deadline, worker=doomed_name)
+                await self.events.wait_for("ready", started_by, worker=doomed_name)
                 is None
             ):
                 raise RuntimeError(f"drill worker did not start; see {doomed.log.name}")
+            deadline = time.monotonic() + self.give_up_after
             await self.kick(run_id, 1.0)
             delivered = await self.events.wait_for(
                 "started", deadline, run_id, doomed_name

@@ -1,7 +1,7 @@
 """Chaos soak: a live producer, real workers killed, stopped and replaced,
 the server restarted with and without its data.
 
-``python -m taskiq_atomic_claim.harness.soak --messages 10000 --kills 30 --graceful 10``
+``python -m tests.soak --messages 10000 --kills 30 --graceful 10``
 starts a server with an fsync-always append-only file and a second server
 for the workers' execution log, runs ``--workers`` real ``taskiq worker``
 processes and a producer kicking ``--messages`` tasks at a steady rate.
@@ -53,7 +53,8 @@ from taskiq_atomic_claim.harness.embedded_server import (
     ServerBinary,
     find_binaries,
 )
-from taskiq_atomic_claim.harness.soak_accounting import (
+from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES
+from tests.soak_accounting import (
     DeadLetterWatch,
     ExecutionLog,
     SoakReport,
@@ -61,13 +62,12 @@ from taskiq_atomic_claim.harness.soak_accounting import (
     _run_ids_in,
     judge_dead_letters,
 )
-from taskiq_atomic_claim.harness.soak_actors import (
+from tests.soak_actors import (
     CONCURRENCY,
     _Chaos,
     _Producer,
     _retrying,
 )
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES
 
 # Workers kept about half busy: kills land on running tasks, and the
 # backlog a stop or a restart leaves is worked off while the producer runs.
@@ -277,7 +277,7 @@ def durable_server(binary: ServerBinary) -> LocalServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m taskiq_atomic_claim.harness.soak",
+        prog="python -m tests.soak",
         description=__doc__.split("\n")[0],
     )
     parser.add_argument("--messages", type=int, default=10_000)

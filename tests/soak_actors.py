@@ -24,7 +24,7 @@ from taskiq_atomic_claim.harness.drill import (
 from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
 )
-from taskiq_atomic_claim.harness.soak_accounting import (
+from tests.soak_accounting import (
     DeadLetterWatch,
     SoakReport,
     _pending_by_consumer,
