@@ -41,6 +41,7 @@ class Heartbeating:
     _heartbeat: asyncio.Task[None] | None
     # A listen() began: this broker read as a consumer of its group.
     _listened: bool = False
+    _give_back_failed: bool = False
     if TYPE_CHECKING:
 
         @property
@@ -136,9 +137,10 @@ class Heartbeating:
         their interruption not counted; delete this consumer if it owns
         nothing pending."""
         await self.stop_heartbeat()
-        waiting = [d for d in self.in_flight.deliveries() if not d.running()]
+        held = self.in_flight.deliveries()
+        running = [d for d in held if d.running()]
+        waiting = [d for d in held if not d.running()]
         await self._give_back(waiting, self.claim_settings.idle_timeout)
-        running = self.in_flight.deliveries()
         # Idle 0 is a last beat: nothing claims them while the task may still
         # take a step before the event loop stops.
         if await self._give_back(running, 0):
@@ -155,19 +157,29 @@ class Heartbeating:
         if not deliveries:
             return 0
         try:
+            # Bounded: the end of a shutdown taskiq timed out still waits.
+            calls = (
+                len({d.stream for d in deliveries}) + len(deliveries) // SCRIPT_BATCH
+            )
             async with self._connection() as client:
-                handed = await self.in_flight.hand_back(client, deliveries, idle_ms)
+                handed = await within(
+                    REPLY_MARGIN_S * calls,
+                    self.in_flight.hand_back(client, deliveries, idle_ms),
+                )
         except Exception as error:
             # Unreachable, demoted (a failover under the shutdown) or busy:
             # the entries stay ours and are reclaimed after idle_timeout.
             if not is_outage(error):
                 raise
-            logger.warning(
+            # One line per shutdown: its end tries again what failed first.
+            logger.log(
+                logging.DEBUG if self._give_back_failed else logging.WARNING,
                 "Could not hand back %d entries (others reclaim them after"
                 " idle_timeout): %s",
                 len(deliveries),
                 error,
             )
+            self._give_back_failed = True
             return 0
         if idle_ms:
             logger.info("Handed back %d unacked deliveries", handed)
@@ -179,11 +191,14 @@ class Heartbeating:
         for stream in self.streams:
             try:
                 async with self._connection() as client:
-                    kept = await self.scripts.call(
-                        client,
-                        DELETE_IDLE_CONSUMER,
-                        [stream],
-                        [self.consumer_group_name, self.consumer_name],
+                    kept = await within(
+                        REPLY_MARGIN_S,
+                        self.scripts.call(
+                            client,
+                            DELETE_IDLE_CONSUMER,
+                            [stream],
+                            [self.consumer_group_name, self.consumer_name],
+                        ),
                     )
             except Exception as error:
                 # Housekeeping only: an outage, a group gone or a user without
