@@ -131,3 +131,5 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             await super().shutdown()
         finally:
             await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.connection_pool.disconnect()

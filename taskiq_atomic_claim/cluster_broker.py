@@ -260,3 +260,5 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             await super().shutdown()
         finally:
             await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.redis.aclose()
