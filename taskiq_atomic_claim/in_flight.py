@@ -86,7 +86,8 @@ class Delivery:
     # Starts in workers that died running it, as the claim that took it saw.
     crashes: int = 0
 
-    def running(self) -> bool:  # its callback: parsing, starting or running it
+    def running(self) -> bool:
+        """Its callback runs: parsing it, starting it or running its task."""
         return self.task is not None and not self.task.done()
 
     def dropped_by_receiver(self) -> bool:
