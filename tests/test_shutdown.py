@@ -31,7 +31,7 @@ from tests.test_started_semantics import (
     taskiq_worker,
 )
 
-IDLE_MS = 3000
+IDLE_MS = 4000
 
 
 def start_worker(
