@@ -1,15 +1,18 @@
 --[[
-  hand_back: at graceful shutdown, make the caller's unacked entries
-  claimable at once (idle = idle_timeout) and take back the start it recorded
-  for each task that started here but was interrupted by the shutdown: a
-  shutdown is not a crash, so it must not count toward max_deliveries.
+  hand_back: at graceful shutdown, set the idle time of some of the caller's
+  unacked entries and take back the start it recorded for each task that
+  started here but was interrupted by the shutdown: a shutdown is not a
+  crash, so it must not count toward max_deliveries. Idle idle_timeout makes
+  entries no task runs claimable at once; idle 0 is the last heartbeat of
+  entries whose task still runs as the shutdown ends: claimable idle_timeout
+  later, when the process is gone.
 
   KEYS[1]  stream                    data
   KEYS[2]  started hash              coordination, always expires
 
   ARGV[1]  group
   ARGV[2]  consumer                  the caller
-  ARGV[3]  idle_ms                   idle time to set (idle_timeout)
+  ARGV[3]  idle_ms                   idle time to set (idle_timeout or 0)
   ARGV[4]  n                         the first n ids had a start recorded here
   ARGV[5..]  entry ids (the caller sends at most 1000 per call)
 

@@ -9,7 +9,11 @@ from redis.asyncio import Redis
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim.reclaiming import ReclaimingListener
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
+from taskiq_atomic_claim.settings import (
+    DEFAULT_MAX_DELIVERIES,
+    check_broker_arguments,
+    default_consumer_name,
+)
 
 
 class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
@@ -84,7 +88,9 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             queue_name=queue_name,
             max_connection_pool_size=max_connection_pool_size,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -117,6 +123,13 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then close the pool."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``)."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.connection_pool.disconnect()

@@ -33,7 +33,11 @@ from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
-from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
+from taskiq_atomic_claim.settings import (
+    DEFAULT_MAX_DELIVERIES,
+    check_broker_arguments,
+    default_consumer_name,
+)
 
 
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
@@ -129,7 +133,9 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             queue_name=queue_name,
             max_connection_pool_size=max_connection_pool_size,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -261,6 +267,13 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then close the client."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``)."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.redis.aclose()

@@ -86,6 +86,10 @@ class Delivery:
     # Starts in workers that died running it, as the claim that took it saw.
     crashes: int = 0
 
+    def running(self) -> bool:
+        """Its callback runs: parsing it, starting it or running its task."""
+        return self.task is not None and not self.task.done()
+
     def dropped_by_receiver(self) -> bool:
         """Its callback ended, neither acked (else it would be gone) nor
         cancelled (a shutdown: handed back instead)."""
@@ -349,7 +353,8 @@ class InFlight:
         self, client: Any, idle_ms: int, deliveries: list[Delivery]
     ) -> None:
         """Set the idle time of those still owned; forget those not owned."""
-        for stream, ids in _by_stream(deliveries):
+        for stream, of_stream in _by_stream(deliveries):
+            ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
                 chunk = ids[start : start + SCRIPT_BATCH]
                 lost = await self.scripts.call(
@@ -363,38 +368,34 @@ class InFlight:
                 for entry_id in lost:
                     self.discard(stream, text(entry_id))
 
-    async def hand_back(self, client: Any) -> int:
-        """Make every held entry claimable at once and take back the starts
-        recorded for tasks the shutdown interrupted; returns how many."""
+    async def hand_back(self, client: Any, held: list[Delivery], idle_ms: int) -> int:
+        """Set the idle time of ``held`` (idle_timeout: claimable at once), take
+        back their starts (a shutdown is no crash), forget them; count owned."""
         handed = 0
-        for stream, _ in _by_stream(self.deliveries()):
-            held = [d for d in self.deliveries() if d.stream == stream]
-            # Started first: the script takes back the first n ids' starts.
-            held.sort(key=lambda d: not d.started)
+        for stream, in_stream in _by_stream(held):
             keys = StreamKeys(stream, self.group)
-            for start in range(0, len(held), SCRIPT_BATCH):
-                chunk = held[start : start + SCRIPT_BATCH]
+            for start in range(0, len(in_stream), SCRIPT_BATCH):
+                chunk = in_stream[start : start + SCRIPT_BATCH]
+                ids = [d.entry_id for d in chunk]
                 n_started = sum(d.started for d in chunk)
                 lost = await self.scripts.call(
                     client,
                     HAND_BACK,
                     [stream, keys.started],
-                    [
-                        self.group,
-                        self.consumer,
-                        self.settings.idle_timeout,
-                        n_started,
-                        *(d.entry_id for d in chunk),
-                    ],
+                    [self.group, self.consumer, idle_ms, n_started, *ids],
                 )
                 handed += len(chunk) - len(lost)
-                self.metrics.add("handed_back", stream, len(chunk) - len(lost))
-        self.clear()
+                if idle_ms:
+                    self.metrics.add("handed_back", stream, len(chunk) - len(lost))
+                for entry_id in ids:
+                    self.discard(stream, entry_id)
         return handed
 
 
-def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:
-    streams: dict[str, list[str]] = {}
+def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[Delivery]]]:
+    """Per stream, started first (as hand_back.lua takes them), then by id."""
+    streams: dict[str, list[Delivery]] = {}
     for delivery in deliveries:
-        streams.setdefault(delivery.stream, []).append(delivery.entry_id)
-    yield from ((stream, sorted(ids)) for stream, ids in streams.items())
+        streams.setdefault(delivery.stream, []).append(delivery)
+    for stream, held in streams.items():
+        yield stream, sorted(held, key=lambda d: (not d.started, d.entry_id))

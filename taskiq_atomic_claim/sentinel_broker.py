@@ -44,6 +44,7 @@ from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import (
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
+    default_consumer_name,
     require_name,
 )
 
@@ -146,7 +147,9 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             min_other_sentinels=min_other_sentinels,
             queue_name=queue_name,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -226,6 +229,11 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then shut down as the parent does."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``)."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            await self.finish_shutdown()

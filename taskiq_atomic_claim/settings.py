@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
+import secrets
+import socket
 from dataclasses import dataclass
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -58,6 +61,13 @@ def require_name(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     return value
+
+
+def default_consumer_name() -> str:
+    """``<host>-<pid>-<6 hex>``, where the parent uses a random UUID: an
+    operator can tell which host and process a consumer was; the random part
+    keeps it unique across pid reuse and containers sharing host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)

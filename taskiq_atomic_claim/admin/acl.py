@@ -28,6 +28,10 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("hincrby", "inside start, hand_back: count a task's starts"),
     ("hmget", "inside claim: start counts of the claimed entries"),
     ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
+    (
+        "xgroup|delconsumer",
+        "inside delete_idle_consumer: a worker exiting owning nothing pending",
+    ),
 )
 # taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
 # worker SETs results (with EX/PX when given), whoever waits reads them.
@@ -65,7 +69,7 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hmget +hdel
+    +hincrby +hmget +hdel +xgroup|delconsumer
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
