@@ -231,6 +231,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     def _begin_listening(self) -> None:
         """What a new listen() (one new connection) starts from."""
         self._listened = True
+        self.metrics.declare(self.streams)
         self._track_starts()
         self._start_heartbeat()
         self._claim_due = dict.fromkeys(self.streams, time.monotonic())
