@@ -9,6 +9,7 @@ README's screenshot.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.cli.main import main
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
@@ -73,11 +75,15 @@ def chromium_or_skip() -> str:
 @dataclass
 class Serve:
     base: str
-    process: subprocess.Popen[bytes]
+    # None: not a serve process (an app mounted in this one).
+    process: subprocess.Popen[bytes] | None = None
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.base + path, timeout=10) as reply:
+            return str(reply.read().decode())
 
     def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.base + path, timeout=10) as reply:
-            body = reply.read().decode()
+        body = self.get_text(path)
         return body if path == "/metrics" else json.loads(body)
 
     def post(self, path: str, body: Any, token: str | None = TOKEN) -> int:
@@ -110,10 +116,13 @@ def start_serve(url: str, *extra: str, token: str | None = None) -> Serve:
 
 
 async def ready(serve: Serve) -> None:
+    assert serve.process is not None
+
     def answers() -> bool:
         try:
             serve.get("/api/state")
         except OSError:
+            assert serve.process is not None
             return serve.process.poll() is not None  # died: stop waiting
         return True
 
@@ -124,6 +133,7 @@ async def ready(serve: Serve) -> None:
 
 
 def stop(serve: Serve) -> None:
+    assert serve.process is not None
     serve.process.terminate()
     try:
         serve.process.wait(timeout=10)
@@ -302,15 +312,39 @@ async def test_json_gauges_and_changes_are_guarded(
         stop(read_only)
 
 
-def test_allow_changes_needs_a_token(server: Server) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "taskiq_atomic_claim.cli", "serve",
-         "--url", server.admin_url, "--allow-changes"],
-        env={k: v for k, v in os.environ.items() if k != "TASKIQ_ATOMIC_CLAIM_TOKEN"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "TASKIQ_ATOMIC_CLAIM_TOKEN" in result.stderr
+def test_allow_changes_needs_a_token(
+    server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TASKIQ_ATOMIC_CLAIM_TOKEN", raising=False)
+    arguments = ["serve", "--url", server.admin_url, "--allow-changes"]
+    assert main(arguments) == 2
+    assert "TASKIQ_ATOMIC_CLAIM_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("TASKIQ_ATOMIC_CLAIM_TOKEN", "short")
+    assert main(arguments) == 2
+
+
+async def test_the_app_mounts_inside_another_starlette_app(
+    server: Server, redis: Redis, queue: str
+) -> None:
+    import uvicorn  # noqa: PLC0415
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.routing import Mount  # noqa: PLC0415
+
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    port = free_port()
+    app = Starlette(routes=[Mount("/queues", create_app(redis, streams=[queue]))])
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    task = asyncio.create_task(running.serve())
+    try:
+        assert await until(lambda: running.started, 30)
+        mounted = Serve(f"http://127.0.0.1:{port}/queues")
+        page = await asyncio.to_thread(mounted.get_text, "")  # redirected to /
+        assert "api/state" in page
+        state = await asyncio.to_thread(mounted.get, "/api/state")
+        assert state["streams"][0]["groups"][0]["pending"] == 3
+        assert state["page"]["changes"] is False
+    finally:
+        running.should_exit = True
+        await task

@@ -37,7 +37,12 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+)
 from starlette.routing import Route
 
 from taskiq_atomic_claim.admin.dead_letters import (
@@ -190,7 +195,11 @@ class _Routes:
         self.token = token
         self.page = resources.files(__package__).joinpath("page.html").read_text()
 
-    async def index(self, _: Request) -> Response:
+    async def index(self, request: Request) -> Response:
+        # The page's URLs are relative: mounted at /queues, it must be
+        # /queues/ for them to resolve under the mount.
+        if not request.url.path.endswith("/"):
+            return RedirectResponse(request.url.replace(path=request.url.path + "/"))
         return HTMLResponse(self.page)
 
     async def state(self, _: Request) -> Response:
