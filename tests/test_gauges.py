@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges
+from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges, next_gap
 from taskiq_atomic_claim.harness.drill import Worker
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import COUNTERS
@@ -68,6 +68,12 @@ async def queue(redis: Redis) -> AsyncIterator[str]:
     name = f"taskiq-atomic-claim-gauges-{uuid.uuid4().hex[:8]}"
     yield name
     await redis.delete(name, StreamKeys(name, GROUP).dead_letters)
+
+
+def test_reading_takes_at_most_a_fifth_of_the_time() -> None:
+    assert next_gap(15.0, 1.0) == 14.0  # the interval, end to end
+    assert next_gap(2.0, 1.0) == 4.0  # a slow read spaces the next one out
+    assert next_gap(2.0, 0.0) == 2.0
 
 
 def test_bad_interval_is_refused_at_construction() -> None:

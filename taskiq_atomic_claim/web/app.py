@@ -20,7 +20,8 @@ Routes, relative to where it is mounted:
   same reading as the page.
 
 Reads are bounded per refresh and shared: the server is read at most once
-per ``refresh_s`` whoever asks (page, JSON, scrape); discovery (a SCAN) runs
+per ``refresh_s`` whoever asks (page, JSON, scrape), and reading takes at
+most a fifth of the time (``gauges.next_gap``); discovery (a SCAN) runs
 once per ``discover_s``, and each group lists at most ``consumer_limit``
 consumers. No lifespan is needed, so it works mounted.
 """
@@ -60,7 +61,13 @@ from taskiq_atomic_claim.admin.inspection_json import (
     dead_letter_page_to_json,
     inspection_to_json,
 )
-from taskiq_atomic_claim.gauges import GroupGauges, declare, forget, publish
+from taskiq_atomic_claim.gauges import (
+    GroupGauges,
+    declare,
+    forget,
+    next_gap,
+    publish,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import require_name
@@ -92,7 +99,7 @@ class Reader:
         self.node = node
         self.runner = ScriptRunner()
         self._lock = asyncio.Lock()
-        self._read_at = -float("inf")
+        self._next_read = -float("inf")
         self._discovered_at = -float("inf")
         self._found: tuple[list[str], bool] = ([], False)
         self.inspection: Inspection | None = None
@@ -103,16 +110,17 @@ class Reader:
     async def latest(self) -> Inspection:
         async with self._lock:
             now = time.monotonic()
-            if self.inspection is None or now - self._read_at >= self.refresh_s:
+            if self.inspection is None or now >= self._next_read:
                 self.inspection = await self._read(now)
-                self._read_at = time.monotonic()
+                took = time.monotonic() - now
+                self._next_read = now + took + next_gap(self.refresh_s, took)
                 self.read_at_ms = int(time.time() * 1000)
                 self._publish(self.inspection)
             return self.inspection
 
     def expire(self) -> None:
         """The next ask reads again (after a change made through the page)."""
-        self._read_at = -float("inf")
+        self._next_read = -float("inf")
 
     async def _read(self, now: float) -> Inspection:
         streams = self.streams
