@@ -17,14 +17,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.acl import worker_acl_rule
 from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges, next_gap
 from taskiq_atomic_claim.harness.drill import Worker
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import COUNTERS
-from tests.conftest import Server
+from tests.conftest import Server, acl_log_entries, server_command, with_user
 from tests.test_oom import until
 
 GROUP = "taskiq"
+USER = "tac-gauges-worker"
+PASSWORD = "tac-gauges-worker-password"
 
 
 def free_port() -> int:
@@ -86,10 +89,17 @@ def test_bad_interval_is_refused_at_construction() -> None:
 async def test_a_worker_exports_every_gauge_at_zero_then_they_move(
     server: Server, redis: Redis, queue: str, tmp_path: Path
 ) -> None:
+    # The worker logs in with the documented rule for a worker with gauges.
+    version = str((await redis.info("server"))["redis_version"])
+    rule = worker_acl_rule([queue], GROUP, version, gauges=True)
+    await server_command(
+        redis, "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", *rule
+    )
+    await server_command(redis, "ACL", "LOG", "RESET")
     port = free_port()
     env = {
         **os.environ,
-        "TAC_TEST_URL": server.url,
+        "TAC_TEST_URL": with_user(server.admin_url, USER, PASSWORD),
         "TAC_TEST_QUEUE": queue,
         "TAC_TEST_METRICS_DIR": str(tmp_path / "metrics"),
         "TAC_TEST_METRICS_PORT": str(port),
@@ -135,3 +145,6 @@ async def test_a_worker_exports_every_gauge_at_zero_then_they_move(
     finally:
         worker.stop()
         await kicker.shutdown()
+        log = acl_log_entries(await server_command(redis, "ACL", "LOG"))
+        await server_command(redis, "ACL", "DELUSER", USER)
+    assert [entry for entry in log if entry["username"] == USER] == []

@@ -43,6 +43,12 @@ RESULT_BACKEND_COMMANDS = (
 CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
 # delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
 DELETE_ACKED_COMMANDS = (("xackdel", "inside ack, claim, dead_letter"),)
+# The ServerGauges middleware (gauges.py), beyond type, xinfo|groups and
+# xpending above.
+GAUGE_COMMANDS = (
+    ("xlen", "ServerGauges: stream and dead-letter lengths"),
+    ("xinfo|consumers", "ServerGauges: how long since a consumer last read"),
+)
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
 # redis-py's connect handshake (RESP3): CLIENT SETINFO and, in "auto" mode,
@@ -73,7 +79,8 @@ Commands: -@all, then
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
-  acl --delete-acked) adds +xackdel.
+  acl --delete-acked) adds +xackdel; the ServerGauges middleware (acl
+  --gauges) adds +xlen +xinfo|consumers.
   And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
     Redis 6.2:          +evalsha +script|load
@@ -131,6 +138,7 @@ def worker_commands(
     handshake: bool = True,
     result_backend: bool = False,
     delete_acked: bool = False,
+    gauges: bool = False,
 ) -> list[str]:
     """``+command`` rules for a server of that version (``INFO`` redis_version)."""
     major, minor = _version(server_version)
@@ -148,6 +156,8 @@ def worker_commands(
         names = [name for name in names if name not in unused]
     if delete_acked:
         names += [name for name, _ in DELETE_ACKED_COMMANDS]
+    if gauges:
+        names += [name for name, _ in GAUGE_COMMANDS]
     if reload:
         names.append(calls[1][0])
     if result_backend:
@@ -169,12 +179,13 @@ def worker_acl_rule(
     literal: bool = True,
     result_backend_prefix: str | None = None,
     delete_acked: bool = False,
+    gauges: bool = False,
 ) -> list[str]:
     """The ACL SETUSER rules (after the user's name and password) for a worker
     reading ``streams`` (queue_name first, then additional_streams) as
     ``group``, writing results under ``result_backend_prefix`` (the result
-    backend's ``prefix_str``), with the broker's ``delete_acked``; see
-    ``WORKER_ACL``."""
+    backend's ``prefix_str``), with the broker's ``delete_acked`` and, with
+    ``gauges``, the ``ServerGauges`` middleware; see ``WORKER_ACL``."""
     if not streams:
         raise ValueError("streams must name at least the queue")
     if result_backend_prefix == "":
@@ -198,5 +209,6 @@ def worker_acl_rule(
             handshake=handshake,
             result_backend=result_backend_prefix is not None,
             delete_acked=delete_acked,
+            gauges=gauges,
         ),
     ]
