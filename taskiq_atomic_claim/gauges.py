@@ -207,6 +207,7 @@ class ServerGauges(TaskiqMiddleware):
         self.families: dict[str, Any] = {}
         self.interval = float(interval)
         self._task: asyncio.Task[None] | None = None
+        self._problem: str | None = None  # why the last reading failed
 
     def set_broker(self, broker: Any) -> None:
         if not hasattr(broker, "streams") or not hasattr(broker, "_connection"):
@@ -252,7 +253,13 @@ class ServerGauges(TaskiqMiddleware):
                 await self.refresh()
             except (RedisError, OSError) as error:
                 # The gauges keep their last values; the next round retries.
-                logger.warning(
-                    "server gauges not read: %s: %s", type(error).__name__, error
-                )
+                # One line when it starts failing, one when it reads again.
+                problem = f"{type(error).__name__}: {error}"
+                if problem != self._problem:
+                    logger.warning("server gauges not read: %s", problem)
+                self._problem = problem
+            else:
+                if self._problem is not None:
+                    logger.warning("server gauges read again")
+                self._problem = None
             await asyncio.sleep(next_gap(self.interval, time.monotonic() - started))

@@ -333,7 +333,13 @@ async def test_the_app_mounts_inside_another_starlette_app(
     from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
 
     port = free_port()
-    app = Starlette(routes=[Mount("/queues", create_app(redis, streams=[queue]))])
+    nobody = Redis.from_url(f"redis://127.0.0.1:{free_port()}")
+    app = Starlette(
+        routes=[
+            Mount("/queues", create_app(redis, streams=[queue])),
+            Mount("/gone", create_app(nobody, streams=[queue])),
+        ]
+    )
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     running = uvicorn.Server(config)
     task = asyncio.create_task(running.serve())
@@ -345,6 +351,13 @@ async def test_the_app_mounts_inside_another_starlette_app(
         state = await asyncio.to_thread(mounted.get, "/api/state")
         assert state["streams"][0]["groups"][0]["pending"] == 3
         assert state["page"]["changes"] is False
+        # A server that cannot be read: an answer saying why, not a crash.
+        gone = Serve(f"http://127.0.0.1:{port}/gone")
+        with pytest.raises(urllib.error.HTTPError) as unreadable:
+            await asyncio.to_thread(gone.get, "/api/state")
+        assert unreadable.value.code == 503
+        assert "ConnectionError" in json.loads(unreadable.value.read())["error"]
     finally:
         running.should_exit = True
         await task
+        await nobody.aclose()

@@ -36,6 +36,7 @@ import time
 from importlib import resources
 from typing import Any
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import (
@@ -284,6 +285,12 @@ async def _bad_request(_: Request, error: Exception) -> Response:
     return JSONResponse({"error": str(error)}, status_code=400)
 
 
+async def _unreachable(_: Request, error: Exception) -> Response:
+    """The server could not be read: the page says so and polls on."""
+    message = f"{type(error).__name__}: {error}"
+    return JSONResponse({"error": message}, status_code=503)
+
+
 def create_app(
     client: Any,
     *,
@@ -319,7 +326,11 @@ def create_app(
             Route("/api/dead-letters/delete", routes.change, methods=["POST"]),
             Route("/metrics", routes.metrics),
         ],
-        exception_handlers={_BadRequestError: _bad_request},
+        exception_handlers={
+            _BadRequestError: _bad_request,
+            RedisError: _unreachable,
+            OSError: _unreachable,
+        },
     )
     app.state.reader = reader
     return app
