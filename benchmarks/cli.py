@@ -3,7 +3,8 @@
 Parts, in order: claim_cycle (latency per RTT, round trips, server time,
 upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
 mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
-idle fleet costs the server).
+idle fleet costs the server), longest_calls (each operation's longest call
+in a mass recovery with large payloads).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from benchmarks import (
     contention,
     end_to_end,
     fleet_idle,
+    longest_calls,
     machine,
     mass_recovery,
     netpath,
@@ -48,6 +50,7 @@ PARTS = (
     "throughput",
     "mass_recovery",
     "fleet_idle",
+    "longest_calls",
 )
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["fleet_idle"] = fleet_idle.run(
                     server.url, server.port, mode, log
                 )
+            if "longest_calls" in args.parts:
+                results["longest_calls"] = longest_calls.run(server.url, mode, log)
     finally:
         if path is not None:
             path.close()

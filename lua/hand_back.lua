@@ -24,6 +24,7 @@
   deleted; HINCRBY on a key that expired meanwhile is undone at once.
 ]]
 
+--- @include "call_chunked"
 --- @include "split_owned"
 --- @include "set_idle_of"
 
@@ -31,11 +32,14 @@ local stream, started = KEYS[1], KEYS[2]
 local group, consumer, idle_ms = ARGV[1], ARGV[2], ARGV[3]
 local n_started = tonumber(ARGV[4])
 
-local was_started = {}
+local ids, was_started = {}, {}
+for i = 5, #ARGV do
+  ids[#ids + 1] = ARGV[i]
+end
 for i = 5, 4 + n_started do
   was_started[ARGV[i]] = true
 end
-local owned, lost = split_owned(stream, group, consumer, {unpack(ARGV, 5)})
+local owned, lost = split_owned(stream, group, consumer, ids)
 set_idle_of(stream, group, consumer, idle_ms, owned)
 for _, id in ipairs(owned) do
   if was_started[id] and redis.call("HINCRBY", started, id, -1) <= 0 then

@@ -145,6 +145,7 @@ class NativeReads:
                     self.claim_settings.idle_timeout,
                     self.claim_settings.batch_size,
                     self._sweep_from.get(stream, "-"),
+                    self.consumer_name,
                 ],
             )
             self._sweep_from[stream] = text(next_start)

@@ -71,6 +71,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "throughput",
         "mass_recovery",
         "fleet_idle",
+        "longest_calls",
         "targets",
     ):
         assert results.get(key), f"missing or empty: {key}"
@@ -148,6 +149,11 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     # scripts: MONITOR must have told them from their nested commands.
     atomic_idle = next(row for row in idle if row["broker"] == "atomic")
     assert atomic_idle["monitor_outer"] and atomic_idle["monitor_nested"]
+
+    for row in results["longest_calls"]:
+        calls = row["calls"]
+        assert {"drop_trimmed", "claim", "XAUTOCLAIM", "set_idle", "ack"} <= set(calls)
+        assert all(f["longest_ms"] >= f["p50_ms"] >= 0 for f in calls.values())
 
     targets = {target["target"]: target for target in results["targets"]}
     assert all(

@@ -18,8 +18,11 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
     ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter, decline"),
-    ("xclaim", "inside set_idle, hand_back, decline (heartbeat, hand back)"),
-    ("xrange", "inside claim, dead_letter"),
+    (
+        "xclaim",
+        "inside set_idle, hand_back, decline (heartbeat, hand back), drop_trimmed",
+    ),
+    ("xrange", "inside claim, dead_letter, drop_trimmed (6.2)"),
     ("get", "inside claim: lease holder, cursor"),
     ("set", "inside claim: lease, cursor (always with PX)"),
     ("del", "inside claim: finished cursor"),
