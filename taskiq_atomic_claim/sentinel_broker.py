@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -160,17 +159,29 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         self.count = xread_count
         self._init_reclaim(claim_settings)
         self._master_checked = 0.0
+        self._master_client: Redis | None = None
 
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[Redis]:
-        ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
-        connection_class = (
-            MasterFollowingSSLConnection if ssl else MasterFollowingConnection
-        )
-        async with self.sentinel.master_for(
-            self.master_name, connection_class=connection_class
-        ) as client:
-            yield client
+    def _master(self) -> Redis:
+        """The broker's one master client, made at first use: reads, claims,
+        acks, start records and heartbeats share its pool, which asks the
+        sentinels for the master when it opens a connection and drops its
+        idle ones when ``_follow_master`` finds the master moved. Kicks keep
+        the parent's client per kick: a producer sees no stale connection
+        after a failover."""
+        if self._master_client is None:
+            ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
+            connection_class = (
+                MasterFollowingSSLConnection if ssl else MasterFollowingConnection
+            )
+            self._master_client = self.sentinel.master_for(
+                self.master_name, connection_class=connection_class
+            )
+        return self._master_client
+
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
+        # Leaving the context closes nothing: the pool is the broker's, and
+        # its shutdown disconnects it.
+        return contextlib.nullcontext(self._master())
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, except that a worker started mid-failover does not
@@ -226,6 +237,10 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then shut down as the parent does."""
+        """Hand unacked deliveries back, shut down as the parent does, then
+        close the master client's pool."""
         await self.hand_back()
         await super().shutdown()
+        client, self._master_client = self._master_client, None
+        if client is not None:
+            await client.aclose()
