@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import drop_idle_connections
+from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.unknown_tasks import (
     call_decline,
@@ -258,31 +259,46 @@ class InFlight:
 
     async def beat(self, client: Any) -> None:
         """One heartbeat: dead-letter what the receiver dropped, hand back
-        what sat unread too long, keep the rest from being reclaimed."""
-        await self.dead_letter_dropped(client)
-        await self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000)
+        what sat unread too long, keep the rest from being reclaimed.
+
+        The idle reset runs whatever the steps before it met: a step that
+        fails at every beat (a refused command, a dead-letter key of another
+        type) is logged and tried again at the next, and must not let long
+        tasks be reclaimed and run twice. Only an unreachable server stops
+        the beat, as the reset would fail too."""
+        for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
+            await _contained(
+                f"settling entry {delivery.entry_id} of stream {delivery.stream!r}"
+                " that taskiq dropped",
+                self.settle_dropped(client, delivery),
+            )
+        await _contained(
+            "handing back entries not started",
+            self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000),
+        )
         await self.set_idle(client, 0, self.deliveries())
 
-    async def dead_letter_dropped(self, client: Any) -> None:
-        for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
-            task = delivery.task
-            assert task is not None
-            error = task.exception()
-            if delivery.unknown_task is not None:
-                # taskiq < 0.13 skips an unknown task without an ack.
-                await self.decline(client, delivery)
-                continue
-            if delivery.unparsable is not None:
-                # taskiq < 0.13 skips what it cannot parse without an ack.
-                reason = delivery.unparsable
-            elif error is None:  # e.g. a manual-ack task that never acked
-                reason = "its task ended without acking it"
-            else:
-                reason = bounded_reason(
-                    "taskiq's receiver raised after starting it, without acking:"
-                    f" {type(error).__name__}: {error}"
-                )
-            await self.dead_letter(client, delivery, reason)
+    async def settle_dropped(self, client: Any, delivery: Delivery) -> None:
+        """Dead-letter (or decline) an entry whose receiver callback ended
+        without an ack."""
+        task = delivery.task
+        assert task is not None
+        error = task.exception()
+        if delivery.unknown_task is not None:
+            # taskiq < 0.13 skips an unknown task without an ack.
+            await self.decline(client, delivery)
+            return
+        if delivery.unparsable is not None:
+            # taskiq < 0.13 skips what it cannot parse without an ack.
+            reason = delivery.unparsable
+        elif error is None:  # e.g. a manual-ack task that never acked
+            reason = "its task ended without acking it"
+        else:
+            reason = bounded_reason(
+                "taskiq's receiver raised after starting it, without acking:"
+                f" {type(error).__name__}: {error}"
+            )
+        await self.dead_letter(client, delivery, reason)
 
     async def decline(self, client: Any, delivery: Delivery) -> None:
         """In place of the ack of an entry whose task this worker does not
@@ -391,6 +407,22 @@ class InFlight:
                 self.metrics.add("handed_back", stream, len(chunk) - len(lost))
         self.clear()
         return handed
+
+
+async def _contained(what: str, step: Awaitable[None]) -> None:
+    """Run one heartbeat step; log its failure instead of raising it, unless
+    the server is unreachable."""
+    try:
+        await step
+    except Exception as error:
+        if classify(error) is Fault.UNREACHABLE:
+            raise
+        logger.warning(
+            "Heartbeat: %s failed (tried again at the next beat; running"
+            " entries are still kept from being reclaimed): %s",
+            what,
+            error,
+        )
 
 
 def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:

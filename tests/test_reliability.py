@@ -84,6 +84,48 @@ async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
         await rival.shutdown()
 
 
+async def test_a_heartbeat_step_that_fails_every_time_leaves_the_idle_reset(
+    server: Server,
+    redis: Redis,
+    planted_keys: set[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Dead-lettering fails at every beat (its key holds a string: WRONGTYPE);
+    # the running task beside it must still be kept from being reclaimed.
+    owner = await started(server, consumer_name="owner")
+    rival = await started(server, consumer_name="rival")
+    dead_letters = StreamKeys("taskiq", "taskiq").dead_letters
+    await redis.set(dead_letters, "not a stream")
+    planted_keys.add(dead_letters)
+    finish = asyncio.Event()
+
+    async def run(delivered: AckableMessage, until: asyncio.Event | None) -> None:
+        await start_as_the_receiver_does(owner, delivered)
+        if until is not None:
+            await until.wait()
+            await maybe_awaitable(delivered.ack())
+
+    try:
+        await owner.kick(message("dropped"))
+        await owner.kick(message("long"))
+        listener = owner.listen()
+        dropped, long = await receive(listener, 2), await receive(listener, 2)
+        assert dropped is not None and long is not None
+        # Its callback ends without an ack: the heartbeat dead-letters it.
+        await asyncio.create_task(run(dropped, None))
+        running = asyncio.create_task(run(long, finish))
+        with caplog.at_level(logging.WARNING, "taskiq.atomic_claim"):
+            assert await receive(rival.listen(), 3 * IDLE_MS / 1000) is None
+        assert "WRONGTYPE" in caplog.text
+        pending = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+        assert [entry["consumer"] for entry in pending] == [b"owner", b"owner"]
+        finish.set()
+        await running
+    finally:
+        await owner.shutdown()
+        await rival.shutdown()
+
+
 async def test_buffered_deliveries_are_heartbeated_too(
     server: Server, redis: Redis
 ) -> None:
