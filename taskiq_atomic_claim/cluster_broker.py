@@ -27,7 +27,7 @@ from taskiq_atomic_claim.cluster_client import (
     StreamEntries,
     slot_groups,
 )
-from taskiq_atomic_claim.group_recovery import first_position
+from taskiq_atomic_claim.group_recovery import create_group, first_position
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
@@ -191,14 +191,15 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         # it finds missing.
         for stream in self.streams:
             try:
-                await self.redis.xgroup_create(
+                await create_group(
+                    self.redis,
                     stream,
                     self.consumer_group_name,
-                    id=await first_position(self.redis, stream, self.consumer_id),
-                    mkstream=self.mkstream,
+                    await first_position(self.redis, stream, self.consumer_id),
+                    self.mkstream,
                 )
-            except ResponseError as error:  # BUSYGROUP, mostly
-                logger.debug("%s", error)
+            except ResponseError as error:  # no stream (mkstream=False), outage
+                logger.debug("Group on %r not created yet: %s", stream, error)
             except (*UNREACHABLE, RedisClusterException) as error:
                 logger.warning(
                     "Consumer group %r on stream %r not created yet: %s",

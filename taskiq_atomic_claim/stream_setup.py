@@ -14,11 +14,13 @@ from redis.exceptions import ResponseError
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import (
     GroupPositions,
+    create_group,
     first_position,
     recreate_group,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_calls import UNREACHABLE
+from taskiq_atomic_claim.server_errors import stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -60,14 +62,18 @@ class StreamSetup:
             await self.declare_groups(client)
 
     async def declare_groups(self, client: Any) -> None:
+        """Create each stream's group where missing; a refusal that retrying
+        cannot heal (NOPERM, ...) fails the start (``GroupCreationError``)."""
         for stream in self.streams:
             start = await first_position(client, stream, self.consumer_id)
             try:
-                await client.xgroup_create(
-                    stream, self.consumer_group_name, id=start, mkstream=self.mkstream
+                await create_group(
+                    client, stream, self.consumer_group_name, start, self.mkstream
                 )
-            except ResponseError as error:  # BUSYGROUP, mostly
-                logger.debug("%s", error)
+            except ResponseError as error:
+                # No stream (mkstream=False) or an outage: the listen loop
+                # creates the group once it can.
+                logger.debug("Group on %r not created yet: %s", stream, error)
 
     async def recreate_groups(self, client: Any) -> None:
         """Re-create the consumer group on every stream that lost it, never
@@ -81,7 +87,10 @@ class StreamSetup:
                     self.group_positions.get(stream),
                     self.mkstream,
                 )
-            except ResponseError as error:  # e.g. mkstream=False, stream gone
+            except ResponseError as error:
+                if not stream_missing(error):
+                    raise
+                # mkstream=False and the stream gone: tried again later.
                 logger.debug("Group on %r not re-created: %s", stream, error)
                 continue
             if start is not None:
