@@ -17,7 +17,7 @@ from taskiq.utils import maybe_awaitable
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.scripts import LoadMode
+from taskiq_atomic_claim.scripts import LIBRARY, LoadMode
 from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server, server_command
 from tests.receiver import start_as_the_receiver_does
@@ -317,6 +317,51 @@ async def test_script_flush_mid_run_is_transparent(
     finally:
         await dead.shutdown()
         await alive.shutdown()
+
+
+async def library_loads(redis: Redis, functions: bool) -> int:
+    """Loads of the library the server ran since its stats were reset
+    (6.2: one SCRIPT LOAD per operation, counted under SCRIPT)."""
+    stats = await redis.info("commandstats")
+    if functions:
+        return int(stats.get("cmdstat_function|load", {}).get("calls", 0))
+    calls = int(
+        stats.get("cmdstat_script", stats.get("cmdstat_script|load", {})).get(
+            "calls", 0
+        )
+    )
+    return calls // len(LIBRARY.scripts)
+
+
+async def test_concurrent_calls_after_a_flush_reload_the_library_once(
+    server: Server, redis: Redis
+) -> None:
+    # Every ack in flight sees the library missing at once.
+    tasks = 40
+    broker = await started(server, consumer_name="alive")
+    try:
+        listener = broker.listen()
+        for number in range(tasks):
+            await broker.kick(message(f"m{number}"))
+        delivered = [await receive(listener, 2) for _ in range(tasks)]
+        await maybe_awaitable(delivered[0].ack())  # type: ignore[union-attr]
+        # A connection each, open already, as after a while of traffic.
+        async with broker._connection() as client:
+            await asyncio.gather(*(client.type("taskiq") for _ in range(tasks)))
+        await server_command(redis, "SCRIPT", "FLUSH")
+        if server.info.functions:
+            await server_command(redis, "FUNCTION", "FLUSH")
+        await redis.config_resetstat()
+        await asyncio.gather(
+            *(maybe_awaitable(m.ack()) for m in delivered[1:] if m is not None)
+        )
+        loads = await library_loads(redis, server.info.functions)
+        print(f"\n{tasks - 1} concurrent acks after a flush: {loads} library loads")
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert loads == 1
+        assert broker.scripts.reloads == 1
+    finally:
+        await broker.shutdown()
 
 
 async def test_killed_connections_do_not_end_listen(
