@@ -99,8 +99,9 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
         self._claim_due: dict[str, float] = {}
-        # Where reads reclaim: not before this (monotonic s); see _stand_aside.
-        self._read_claims_from = 0.0
+        # Where reads reclaim, per stream: not before this (monotonic s);
+        # see _stand_aside.
+        self._read_claims_from: dict[str, float] = {}
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -252,15 +253,31 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
     ) -> list[tuple[str, str, dict[Any, Any]]]:
         """One bounded read: until the next claim at most; where reads
         reclaim, one claim interval at most, after the rare upkeep."""
-        if reads_reclaim:
-            await self.sweep_if_due(client)
-            reads_reclaim = time.monotonic() >= self._read_claims_from
-            until = time.monotonic() + self.claim_settings.claim_interval / 1000
-        else:
+        if not reads_reclaim:
             until = self._next_claim
+            return await within(
+                max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
+                self._read_new(client, read_from, until),
+            )
+        await self.sweep_if_due(client)
+        now = time.monotonic()
+        until = now + self.claim_settings.claim_interval / 1000
+        aside = {s for s, at in self._read_claims_from.items() if at > now}
+        if aside:
+            # Streams standing aside are read without CLAIM; the others
+            # claim first, without blocking, then everything is read new:
+            # they still reclaim once per claim interval at least.
+            claiming = {s: v for s, v in read_from.items() if s not in aside}
+            if claiming:
+                claimed = await within(
+                    REPLY_MARGIN_S,
+                    self._read_new(client, claiming, now, claim=True, block=False),
+                )
+                if claimed:
+                    return claimed
         return await within(
             max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
-            self._read_new(client, read_from, until, claim=reads_reclaim),
+            self._read_new(client, read_from, until, claim=not aside),
         )
 
     async def _read_new(
@@ -270,19 +287,21 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         next_claim: float,
         *,
         claim: bool = False,
+        block: bool = True,
     ) -> list[tuple[str, str, dict[Any, Any]]]:
         """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
-        first, taken over by the read itself."""
+        first, taken over by the read itself. Without ``block`` it returns
+        at once."""
         # Never block past the next claim: reclaim must not wait for traffic.
         until = max(1, int((next_claim - time.monotonic()) * 1000))
-        block = min(self.block, until) if self.block else until
+        block_ms = (min(self.block, until) if self.block else until) if block else None
         idle = self.claim_settings.idle_timeout
         extra = {"claim_min_idle_time": idle} if claim else {}
         fetched: Any = await client.xreadgroup(
             self.consumer_group_name,
             self.consumer_name,
             read_from,
-            block=block,
+            block=block_ms,
             count=self.count,
             **extra,
         )
@@ -322,12 +341,13 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         """After declining an entry of ``stream`` (its task unknown here),
         claim nothing for a while: past the lease this consumer may hold and
         the time others wait past it, and one claim interval more, so another
-        consumer claims it first. Where reads reclaim, no read claims."""
+        consumer claims it first. Where reads reclaim, no read claims on
+        ``stream``; the other streams go on claiming."""
         settings = self.claim_settings
         wait = settings.lease + settings.skip_wait + settings.claim_interval
         until = time.monotonic() + wait / 1000
         self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
-        self._read_claims_from = until
+        self._read_claims_from[stream] = until
 
     def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
         """XACK and forget the entry's start count in one round trip; an
