@@ -106,7 +106,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             reclaimed from a consumer that stopped.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
-            by default one claim interval, never forever.
+            by default one claim interval, never forever; at most
+            idle_timeout (a longer one is cut, with a warning).
         :param xread_count: entries one XREADGROUP returns at most.
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. The loop leaves a
