@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -179,10 +180,18 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             )
         return self._master_client
 
-    def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
-        # Leaving the context closes nothing: the pool is the broker's, and
-        # its shutdown disconnects it.
-        return contextlib.nullcontext(self._master())
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Redis]:
+        # Acks and heartbeats follow the master too: while every slot is
+        # busy the listen loop is parked and checks nothing, and the old
+        # master takes writes until it is demoted, then throws them away.
+        # A failed look-up leaves the pool as it is (its connections may
+        # still reach the master). Leaving the context closes nothing: the
+        # pool is the broker's, and its shutdown disconnects it.
+        client = self._master()
+        with contextlib.suppress(*UNREACHABLE):
+            await self._follow_master(client)
+        yield client
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, except that a worker started mid-failover does not

@@ -442,6 +442,46 @@ async def test_reads_leave_a_replaced_master_between_rare_claims(
     await consumer.stop()
 
 
+@bounded(120)
+async def test_a_busy_worker_heartbeats_and_acks_on_the_new_master(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # Every slot busy: listen() is parked and never checks the master. The
+    # heartbeat and the ack must still reach the new master, not the old
+    # one, which keeps taking writes until the sentinels demote it (~10 s)
+    # and whose writes are then thrown away.
+    setup = own_sentinels
+    queue = "busy"
+    broker = await make_broker(setup, queue, "busy")
+    await kick(broker, queue, 1, "long")
+    listener = broker.listen()
+    delivered: Any = await anext(listener)
+    finish = asyncio.Event()
+
+    async def run() -> None:
+        await start_as_the_receiver_does(broker, delivered)
+        await finish.wait()
+        await delivered.ack()
+
+    running = asyncio.create_task(run())
+    await asyncio.to_thread(replicate, setup)
+    new_master, _ = await asyncio.to_thread(setup.failover)
+    # Three idle_timeouts: a heartbeat landing anywhere else lets the entry
+    # turn idle on the new master.
+    with SyncRedis(host=HOST, port=new_master) as client:
+        idle_ms: list[int] = []
+        for _ in range(15):
+            await asyncio.sleep(IDLE_MS / 5000)
+            [entry] = client.xpending_range(queue, "taskiq", "-", "+", 10)
+            idle_ms.append(int(entry["time_since_delivered"]))
+    print(f"\nidle ms on the new master after a failover: {idle_ms}")
+    assert max(idle_ms[5:]) < IDLE_MS, idle_ms
+    finish.set()
+    await running
+    await listener.aclose()
+    assert pending_on_master(setup, queue) == 0
+
+
 DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500
 DRILL_BOUND_S = (DRILL_IDLE_MS + DRILL_INTERVAL_MS) / 1000 + 2.0
 
