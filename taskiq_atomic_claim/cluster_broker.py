@@ -35,6 +35,7 @@ from taskiq_atomic_claim.server_calls import UNREACHABLE
 from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
 from taskiq_atomic_claim.settings import DEFAULT_MAX_DELIVERIES, check_broker_arguments
+from taskiq_atomic_claim.stream_setup import require_stream_type
 
 
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
@@ -192,6 +193,7 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         # it finds missing.
         for stream in self.streams:
             try:
+                await require_stream_type(self.redis, stream)
                 await create_group(
                     self.redis,
                     stream,

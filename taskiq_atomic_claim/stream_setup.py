@@ -29,6 +29,17 @@ class StreamTypeError(RuntimeError):
     """A key the broker must read as a stream holds another type (WRONGTYPE)."""
 
 
+async def require_stream_type(client: Any, stream: str) -> None:
+    """Raise ``StreamTypeError``, naming the key, if ``stream`` holds another
+    type than a stream (no key at all is fine)."""
+    kind = text(await client.type(stream))
+    if kind not in ("stream", "none"):
+        raise StreamTypeError(
+            f"key {stream!r} holds a {kind}, not a stream: pick another"
+            " queue_name / additional_streams key or remove that key"
+        )
+
+
 class StreamSetup:
     """Startup checks of the stream keys and servers; group re-creation."""
 
@@ -48,12 +59,7 @@ class StreamSetup:
         """Fail at startup, naming the key, if a stream key holds another type."""
         async with self._connection() as client:
             for stream in self.streams:
-                kind = text(await client.type(stream))
-                if kind not in ("stream", "none"):
-                    raise StreamTypeError(
-                        f"key {stream!r} holds a {kind}, not a stream: pick another"
-                        " queue_name / additional_streams key or remove that key"
-                    )
+                await require_stream_type(client, stream)
 
     async def _declare_consumer_group(self) -> None:
         """Startup: create the group where missing, as the parent does, but
@@ -65,6 +71,8 @@ class StreamSetup:
         """Create each stream's group where missing; a refusal that retrying
         cannot heal (NOPERM, ...) fails the start (``GroupCreationError``)."""
         for stream in self.streams:
+            # A key of another type is named as such, not as a refused group.
+            await require_stream_type(client, stream)
             start = await first_position(client, stream, self.consumer_id)
             try:
                 await create_group(
