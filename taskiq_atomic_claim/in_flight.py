@@ -27,10 +27,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from taskiq_atomic_claim.dead_letters import bounded_reason, move_to_dead_letters
+from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
@@ -53,45 +53,6 @@ SCRIPT_BATCH = 1000
 MIN_STARTED_TTL_MS = 24 * 3600 * 1000
 
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
-
-
-class EntryData(bytes):
-    """A message's data that remembers the stream entry it was read from.
-
-    taskiq hands ``AckableMessage.data`` unchanged to the formatter.
-    """
-
-    stream: str
-    entry_id: str
-
-    def __new__(cls, data: bytes, stream: str, entry_id: str) -> EntryData:
-        made = super().__new__(cls, data)
-        made.stream, made.entry_id = stream, entry_id
-        return made
-
-
-@dataclass(eq=False)
-class Delivery:
-    stream: str
-    entry_id: str
-    read_at: float
-    yielded: bool = False
-    # The receiver's callback task that parsed it.
-    task: asyncio.Task[Any] | None = None
-    # A start is recorded on the server and not yet acked or taken back.
-    started: bool = False
-    # Why the formatter could not parse it; its "ack" dead-letters it.
-    unparsable: str | None = None
-    # The task name this worker does not know; its "ack" declines it.
-    unknown_task: str | None = None
-    # Starts in workers that died running it, as the claim that took it saw.
-    crashes: int = 0
-
-    def dropped_by_receiver(self) -> bool:
-        """Its callback ended, neither acked (else it would be gone) nor
-        cancelled (a shutdown: handed back instead)."""
-        task = self.task
-        return task is not None and task.done() and not task.cancelled()
 
 
 class InFlight:

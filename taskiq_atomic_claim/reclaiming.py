@@ -22,9 +22,10 @@ from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
+from taskiq_atomic_claim.delivery import EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
-from taskiq_atomic_claim.in_flight import EntryData, InFlight
+from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
@@ -99,9 +100,6 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
         self._claim_due: dict[str, float] = {}
-        # Where reads reclaim, per stream: not before this (monotonic s);
-        # see _stand_aside.
-        self._read_claims_from: dict[str, float] = {}
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -247,38 +245,6 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
             )
         if not any(isinstance(m, StartRecorder) for m in self.middlewares):
             self.add_middlewares(StartRecorder(self.in_flight, self._connection))
-
-    async def _read_step(
-        self, client: Any, read_from: dict[str, Any], reads_reclaim: bool
-    ) -> list[tuple[str, str, dict[Any, Any]]]:
-        """One bounded read: until the next claim at most; where reads
-        reclaim, one claim interval at most, after the rare upkeep."""
-        if not reads_reclaim:
-            until = self._next_claim
-            return await within(
-                max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
-                self._read_new(client, read_from, until),
-            )
-        await self.sweep_if_due(client)
-        now = time.monotonic()
-        until = now + self.claim_settings.claim_interval / 1000
-        aside = {s for s, at in self._read_claims_from.items() if at > now}
-        if aside:
-            # Streams standing aside are read without CLAIM; the others
-            # claim first, without blocking, then everything is read new:
-            # they still reclaim once per claim interval at least.
-            claiming = {s: v for s, v in read_from.items() if s not in aside}
-            if claiming:
-                claimed = await within(
-                    REPLY_MARGIN_S,
-                    self._read_new(client, claiming, now, claim=True, block=False),
-                )
-                if claimed:
-                    return claimed
-        return await within(
-            max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
-            self._read_new(client, read_from, until, claim=not aside),
-        )
 
     async def _read_new(
         self,
