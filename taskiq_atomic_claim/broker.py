@@ -53,7 +53,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         :param idle_timeout: ms an entry must sit unacknowledged before it is
             reclaimed from a consumer that stopped (as in the parent).
         :param unacknowledged_lock_timeout: seconds the claim lease lives
-            (as in the parent); by default one claim interval, never forever.
+            (as in the parent); by default one claim interval, never forever;
+            at most idle_timeout (a longer one is cut, with a warning).
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
             worker's tasks re-run within idle_timeout + claim_interval.

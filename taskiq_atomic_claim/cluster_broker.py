@@ -27,7 +27,7 @@ from taskiq_atomic_claim.cluster_client import (
     StreamEntries,
     slot_groups,
 )
-from taskiq_atomic_claim.group_recovery import first_position
+from taskiq_atomic_claim.group_recovery import create_group, first_position
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
@@ -38,6 +38,7 @@ from taskiq_atomic_claim.settings import (
     check_broker_arguments,
     default_consumer_name,
 )
+from taskiq_atomic_claim.stream_setup import require_stream_type
 
 
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
@@ -80,7 +81,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             reclaimed from a consumer that stopped.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
-            by default one claim interval, never forever.
+            by default one claim interval, never forever; at most
+            idle_timeout (a longer one is cut, with a warning).
         :param xread_count: entries one XREADGROUP returns at most (per slot).
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
@@ -209,14 +211,16 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         # it finds missing.
         for stream in self.streams:
             try:
-                await self.redis.xgroup_create(
+                await require_stream_type(self.redis, stream)
+                await create_group(
+                    self.redis,
                     stream,
                     self.consumer_group_name,
-                    id=await first_position(self.redis, stream, self.consumer_id),
-                    mkstream=self.mkstream,
+                    await first_position(self.redis, stream, self.consumer_id),
+                    self.mkstream,
                 )
-            except ResponseError as error:  # BUSYGROUP, mostly
-                logger.debug("%s", error)
+            except ResponseError as error:  # no stream (mkstream=False), outage
+                logger.debug("Group on %r not created yet: %s", stream, error)
             except Exception as error:
                 # Unreachable, or the slot migrating ("TTL exhausted").
                 if not (is_outage(error) or isinstance(error, RedisClusterException)):

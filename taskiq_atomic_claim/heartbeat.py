@@ -15,7 +15,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
-from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, Delivery, InFlight
+from taskiq_atomic_claim.delivery import Delivery
+from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
 from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (

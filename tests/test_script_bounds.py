@@ -9,10 +9,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import DROP_TRIMMED, HAND_BACK, SET_IDLE
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import MAX_BATCH_SIZE, ClaimSettings
 from tests.conftest import Server
