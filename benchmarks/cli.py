@@ -3,8 +3,9 @@
 Parts, in order: claim_cycle (latency per RTT, round trips, server time,
 upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
 mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
-idle fleet costs the server), kicks (kick throughput with and without
-idempotent XADD).
+idle fleet costs the server), longest_calls (each operation's longest call
+in a mass recovery with large payloads), kicks (kick throughput with and
+without idempotent XADD).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from benchmarks import (
     end_to_end,
     fleet_idle,
     kicks,
+    longest_calls,
     machine,
     mass_recovery,
     netpath,
@@ -50,6 +52,7 @@ PARTS = (
     "throughput",
     "mass_recovery",
     "fleet_idle",
+    "longest_calls",
     "kicks",
 )
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["fleet_idle"] = fleet_idle.run(
                     server.url, server.port, mode, log
                 )
+            if "longest_calls" in args.parts:
+                results["longest_calls"] = longest_calls.run(server.url, mode, log)
             if "kicks" in args.parts:
                 results["kicks"] = kicks.run(
                     server.url, mode.kick_messages, mode.kick_reps, log

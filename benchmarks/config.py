@@ -197,6 +197,12 @@ class Mode:
     # lands the same whole number of reads in the window.
     fleet_idle_s: float = 30.0
     fleet_monitor_s: float = 5.0
+    # Longest calls: orphans of payload bytes, recovered at each batch size
+    # (unacknowledged_batch_size and xread_count; 10,000 is the largest the
+    # broker accepts). 5000 x 100 KB: 0.5 GB on the server.
+    longest_orphans: int = 5000
+    longest_payload: int = 100_000
+    longest_batches: tuple[int, ...] = (100, 1000, 10_000)
     # Kick throughput, with and without IDMP: kicks per variant and run.
     kick_messages: int = 20_000
     kick_reps: int = 3
@@ -242,6 +248,8 @@ QUICK = Mode(
     fleet_shapes=((10, 2, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
+    longest_orphans=1000,
+    longest_batches=(100, 1000),
     kick_messages=5000,
     kick_reps=2,
 )
@@ -282,6 +290,9 @@ SMOKE = Mode(
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
     fleet_monitor_s=0.6,
+    longest_orphans=30,
+    longest_payload=1000,
+    longest_batches=(10,),
     kick_messages=200,
     kick_reps=1,
 )

@@ -682,6 +682,35 @@ def render(results: dict[str, Any]) -> str:
                 ),
             )
         )
+    if results.get("longest_calls"):
+        parts.append(
+            "Longest calls: each operation's longest time on the server (SLOWLOG)"
+            " in a mass recovery with large payloads, ms (calls)\n"
+            + table(
+                [
+                    "batch",
+                    "orphans x bytes",
+                    "operation",
+                    "calls",
+                    "p50",
+                    "longest",
+                    "total",
+                ],
+                (
+                    [
+                        r["batch"],
+                        f"{r['orphans']}x{r['payload_bytes']}",
+                        name,
+                        figures["calls"],
+                        figures["p50_ms"],
+                        figures["longest_ms"],
+                        figures["total_ms"],
+                    ]
+                    for r in results["longest_calls"]
+                    for name, figures in r["calls"].items()
+                ),
+            )
+        )
     if results.get("kicks"):
         kicked = results["kicks"]
         per_id = kicked["idmp_bytes_per_id"]

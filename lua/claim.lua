@@ -52,6 +52,7 @@
   or neither did.
 ]]
 
+--- @include "call_chunked"
 --- @include "move_to_dead_letters"
 --- @include "drop_if_data_gone"
 
@@ -114,7 +115,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
     for i, entry in ipairs(present) do
       ids[i] = entry[1]
     end
-    local crashes = redis.call("HMGET", started, unpack(ids))
+    local crashes = call_chunked({"HMGET", started}, ids, {})
     claimed = {}
     for i, entry in ipairs(present) do
       local crash_count = tonumber(crashes[i]) or 0
@@ -132,9 +133,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
 
   if reply[3] then
     trimmed = reply[3]
-    for _, id in ipairs(trimmed) do
-      redis.call("HDEL", started, id)
-    end
+    call_chunked({"HDEL", started}, trimmed, {})
   end
 
   if saw_vanished_entry then

@@ -20,6 +20,7 @@
   delivery count (XCLAIM ... JUSTID), writes no key.
 ]]
 
+--- @include "call_chunked"
 --- @include "set_idle_of"
 
 local stream = KEYS[1]

@@ -1,6 +1,7 @@
 --[[
   delete_idle_consumer: delete a consumer of a group, only while it has
-  nothing pending (doctor --fix's idle-consumer fix).
+  nothing pending (doctor --fix's idle-consumer fix, and a worker's own
+  consumer as it exits gracefully).
 
   KEYS[1]  stream                    data
 

@@ -18,12 +18,17 @@
   delivery count (XCLAIM ... JUSTID). Writes no key.
 ]]
 
+--- @include "call_chunked"
 --- @include "split_owned"
 --- @include "set_idle_of"
 
 local stream = KEYS[1]
 local group, consumer, idle_ms = ARGV[1], ARGV[2], ARGV[3]
 
-local owned, lost = split_owned(stream, group, consumer, {unpack(ARGV, 4)})
+local ids = {}
+for i = 4, #ARGV do
+  ids[#ids + 1] = ARGV[i]
+end
+local owned, lost = split_owned(stream, group, consumer, ids)
 set_idle_of(stream, group, consumer, idle_ms, owned)
 return lost

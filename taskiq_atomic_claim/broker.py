@@ -14,6 +14,7 @@ from taskiq_atomic_claim.settings import (
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
+    default_consumer_name,
 )
 
 
@@ -56,7 +57,8 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         :param idle_timeout: ms an entry must sit unacknowledged before it is
             reclaimed from a consumer that stopped (as in the parent).
         :param unacknowledged_lock_timeout: seconds the claim lease lives
-            (as in the parent); by default one claim interval, never forever.
+            (as in the parent); by default one claim interval, never forever;
+            at most idle_timeout (a longer one is cut, with a warning).
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
             worker's tasks re-run within idle_timeout + claim_interval.
@@ -103,7 +105,9 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             queue_name=queue_name,
             max_connection_pool_size=max_connection_pool_size,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -136,6 +140,13 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then close the pool."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``)."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.connection_pool.disconnect()

@@ -27,7 +27,7 @@ from taskiq_atomic_claim.cluster_client import (
     StreamEntries,
     slot_groups,
 )
-from taskiq_atomic_claim.group_recovery import first_position
+from taskiq_atomic_claim.group_recovery import create_group, first_position
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.native_reads import read_entries
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
@@ -38,7 +38,9 @@ from taskiq_atomic_claim.settings import (
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
+    default_consumer_name,
 )
+from taskiq_atomic_claim.stream_setup import require_stream_type
 
 
 class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
@@ -83,7 +85,8 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             reclaimed from a consumer that stopped.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
-            by default one claim interval, never forever.
+            by default one claim interval, never forever; at most
+            idle_timeout (a longer one is cut, with a warning).
         :param xread_count: entries one XREADGROUP returns at most (per slot).
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
@@ -142,7 +145,9 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             queue_name=queue_name,
             max_connection_pool_size=max_connection_pool_size,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -216,14 +221,16 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         # it finds missing.
         for stream in self.streams:
             try:
-                await self.redis.xgroup_create(
+                await require_stream_type(self.redis, stream)
+                await create_group(
+                    self.redis,
                     stream,
                     self.consumer_group_name,
-                    id=await first_position(self.redis, stream, self.consumer_id),
-                    mkstream=self.mkstream,
+                    await first_position(self.redis, stream, self.consumer_id),
+                    self.mkstream,
                 )
-            except ResponseError as error:  # BUSYGROUP, mostly
-                logger.debug("%s", error)
+            except ResponseError as error:  # no stream (mkstream=False), outage
+                logger.debug("Group on %r not created yet: %s", stream, error)
             except Exception as error:
                 # Unreachable, or the slot migrating ("TTL exhausted").
                 if not (is_outage(error) or isinstance(error, RedisClusterException)):
@@ -274,6 +281,13 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then close the client."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``)."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            await self.finish_shutdown()
+            # Its calls reconnect what the parent closed: close it again.
+            await self.redis.aclose()

@@ -36,8 +36,14 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.server_errors import group_exists, is_outage, stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
+
+
+class GroupCreationError(RuntimeError):
+    """The server refused to create a consumer group for a reason other
+    than its existing (say NOPERM: the worker's user lacks XGROUP CREATE)."""
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
@@ -101,16 +107,34 @@ async def recreate_group(
         )
         if survived:
             start = remembered
+    return start if await create_group(client, stream, group, start, mkstream) else None
+
+
+async def create_group(
+    client: Any, stream: str, group: str, start: str, mkstream: bool
+) -> bool:
+    """XGROUP CREATE; False when the group exists already (BUSYGROUP).
+
+    A stream missing without ``mkstream`` and an outage (OOM, LOADING, ...)
+    raise as the server replied: the listen loop retries both. Any other
+    refusal (NOPERM, ...) cannot heal by retrying: ``GroupCreationError``,
+    naming the group and the stream.
+    """
     args = ["XGROUP", "CREATE", stream, group, start]
     if mkstream:
         args.append("MKSTREAM")
     try:
         await client.execute_command(*args)
     except ResponseError as error:
-        if str(error).startswith("BUSYGROUP"):
-            return None
-        raise
-    return start
+        if group_exists(error):
+            return False
+        if stream_missing(error) or is_outage(error):
+            raise
+        raise GroupCreationError(
+            f"consumer group {group!r} on stream {stream!r} could not be"
+            f" created: {error}"
+        ) from error
+    return True
 
 
 async def first_position(client: Any, stream: str, consumer_id: str) -> str:

@@ -2,8 +2,9 @@
 broker (``ReclaimingListener`` mixes this in).
 
 While a worker lives, the entries it holds are kept from being reclaimed
-(``InFlight.beat``, every third of ``idle_timeout``); at shutdown whatever it
-still holds is made claimable at once (``InFlight.hand_back``).
+(``InFlight.beat``, every third of ``idle_timeout``). Its shutdown makes
+claimable at once what no task runs; a task still running is never made
+claimable while this process may run it (see ``finish_shutdown``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
+from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
+from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
     drop_idle_connections,
@@ -31,10 +35,18 @@ class Heartbeating:
     """The heartbeat task of one consumer, and its hand-back at shutdown."""
 
     consumer_name: str
+    consumer_group_name: str
     claim_settings: ClaimSettings
     in_flight: InFlight
+    scripts: ScriptRunner
     _heartbeat: asyncio.Task[None] | None
+    # A listen() began: this broker read as a consumer of its group.
+    _listened: bool = False
+    _give_back_failed: bool = False
     if TYPE_CHECKING:
+
+        @property
+        def streams(self) -> list[str]: ...
 
         def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
 
@@ -108,29 +120,100 @@ class Heartbeating:
                 await task
 
     async def hand_back(self) -> int:
-        """Make every unacked delivery claimable at once (graceful shutdown).
+        """Make every held delivery no task runs here claimable at once, as
+        the worker's shutdown begins.
 
         taskiq drops deliveries it prefetched but never started; without this
-        they would wait out idle_timeout in the PEL.
+        they would wait out idle_timeout in the PEL. Tasks still running (past
+        ``--wait-tasks-timeout``) run on through the app's shutdown handlers:
+        their entries stay held and heartbeated until ``finish_shutdown``.
         """
+        waiting = [d for d in self.in_flight.deliveries() if not d.running()]
+        return await self._give_back(waiting, self.claim_settings.idle_timeout)
+
+    async def finish_shutdown(self) -> None:
+        """At the very end of a shutdown: stop the heartbeat; hand back what
+        no task runs; leave tasks still running to be reclaimed an
+        idle_timeout after their last beat, when this process is long gone,
+        their interruption not counted; delete this consumer if it owns
+        nothing pending."""
         await self.stop_heartbeat()
-        held = len(self.in_flight)
-        if not held:
+        held = self.in_flight.deliveries()
+        running = [d for d in held if d.running()]
+        waiting = [d for d in held if not d.running()]
+        await self._give_back(waiting, self.claim_settings.idle_timeout)
+        # Idle 0 is a last beat: nothing claims them while the task may still
+        # take a step before the event loop stops.
+        if await self._give_back(running, 0):
+            logger.info(
+                "%d tasks still running at shutdown: their entries become"
+                " claimable in idle_timeout (%d ms), not counted as crashes",
+                len(running),
+                self.claim_settings.idle_timeout,
+            )
+        if self._listened and not self.in_flight.deliveries():
+            await self._delete_own_consumer()
+
+    async def _give_back(self, deliveries: list[Delivery], idle_ms: int) -> int:
+        if not deliveries:
             return 0
         try:
+            # Bounded: the end of a shutdown taskiq timed out still waits.
+            calls = (
+                len({d.stream for d in deliveries}) + len(deliveries) // SCRIPT_BATCH
+            )
             async with self._connection() as client:
-                handed = await self.in_flight.hand_back(client)
+                handed = await within(
+                    REPLY_MARGIN_S * calls,
+                    self.in_flight.hand_back(client, deliveries, idle_ms),
+                )
         except Exception as error:
             # Unreachable, demoted (a failover under the shutdown) or busy:
             # the entries stay ours and are reclaimed after idle_timeout.
             if not is_outage(error):
                 raise
-            logger.warning(
+            # One line per shutdown: its end tries again what failed first.
+            logger.log(
+                logging.DEBUG if self._give_back_failed else logging.WARNING,
                 "Could not hand back %d entries (others reclaim them after"
                 " idle_timeout): %s",
-                held,
+                len(deliveries),
                 error,
             )
+            self._give_back_failed = True
             return 0
-        logger.info("Handed back %d unacked deliveries", handed)
+        if idle_ms:
+            logger.info("Handed back %d unacked deliveries", handed)
         return handed
+
+    async def _delete_own_consumer(self) -> None:
+        """Remove this consumer from each stream's group where it owns
+        nothing pending (atomically checked): else every restart leaves one."""
+        for stream in self.streams:
+            try:
+                async with self._connection() as client:
+                    kept = await within(
+                        REPLY_MARGIN_S,
+                        self.scripts.call(
+                            client,
+                            DELETE_IDLE_CONSUMER,
+                            [stream],
+                            [self.consumer_group_name, self.consumer_name],
+                        ),
+                    )
+            except Exception as error:
+                # Housekeeping only: an outage, a group gone or a user without
+                # +xgroup|delconsumer leaves the consumer for doctor --fix.
+                logger.warning(
+                    "Consumer %r not deleted from stream %r: %s",
+                    self.consumer_name,
+                    stream,
+                    error,
+                )
+                continue
+            if int(kept) == -1:
+                logger.info(
+                    "Consumer %r kept on stream %r: it still owns pending entries",
+                    self.consumer_name,
+                    stream,
+                )

@@ -26,17 +26,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 from taskiq_atomic_claim.dead_letters import bounded_reason, move_to_dead_letters
+from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import drop_idle_connections
+from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.unknown_tasks import (
     call_decline,
@@ -52,45 +53,6 @@ SCRIPT_BATCH = 1000
 MIN_STARTED_TTL_MS = 24 * 3600 * 1000
 
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
-
-
-class EntryData(bytes):
-    """A message's data that remembers the stream entry it was read from.
-
-    taskiq hands ``AckableMessage.data`` unchanged to the formatter.
-    """
-
-    stream: str
-    entry_id: str
-
-    def __new__(cls, data: bytes, stream: str, entry_id: str) -> EntryData:
-        made = super().__new__(cls, data)
-        made.stream, made.entry_id = stream, entry_id
-        return made
-
-
-@dataclass(eq=False)
-class Delivery:
-    stream: str
-    entry_id: str
-    read_at: float
-    yielded: bool = False
-    # The receiver's callback task that parsed it.
-    task: asyncio.Task[Any] | None = None
-    # A start is recorded on the server and not yet acked or taken back.
-    started: bool = False
-    # Why the formatter could not parse it; its "ack" dead-letters it.
-    unparsable: str | None = None
-    # The task name this worker does not know; its "ack" declines it.
-    unknown_task: str | None = None
-    # Starts in workers that died running it, as the claim that took it saw.
-    crashes: int = 0
-
-    def dropped_by_receiver(self) -> bool:
-        """Its callback ended, neither acked (else it would be gone) nor
-        cancelled (a shutdown: handed back instead)."""
-        task = self.task
-        return task is not None and task.done() and not task.cancelled()
 
 
 class InFlight:
@@ -252,37 +214,46 @@ class InFlight:
 
     async def beat(self, client: Any) -> None:
         """One heartbeat: dead-letter what the receiver dropped, hand back
-        what sat unread too long, keep the rest from being reclaimed."""
-        try:
-            await self.dead_letter_dropped(client)
-            await self.hand_back_unyielded(
-                client, 3 * self.settings.idle_timeout / 1000
-            )
-        finally:
-            # Whatever failed (a dead letter refused while its slot migrates,
-            # say), the rest is kept: the failure is raised after.
-            await self.set_idle(client, 0, self.deliveries())
+        what sat unread too long, keep the rest from being reclaimed.
 
-    async def dead_letter_dropped(self, client: Any) -> None:
+        The idle reset runs whatever the steps before it met: a step that
+        fails at every beat (a refused command, a dead-letter key of another
+        type) is logged and tried again at the next, and must not let long
+        tasks be reclaimed and run twice. Only an unreachable server stops
+        the beat, as the reset would fail too."""
         for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
-            task = delivery.task
-            assert task is not None
-            error = task.exception()
-            if delivery.unknown_task is not None:
-                # taskiq < 0.13 skips an unknown task without an ack.
-                await self.decline(client, delivery)
-                continue
-            if delivery.unparsable is not None:
-                # taskiq < 0.13 skips what it cannot parse without an ack.
-                reason = delivery.unparsable
-            elif error is None:  # e.g. a manual-ack task that never acked
-                reason = "its task ended without acking it"
-            else:
-                reason = bounded_reason(
-                    "taskiq's receiver raised after starting it, without acking:"
-                    f" {type(error).__name__}: {error}"
-                )
-            await self.dead_letter(client, delivery, reason)
+            await _contained(
+                f"settling entry {delivery.entry_id} of stream {delivery.stream!r}"
+                " that taskiq dropped",
+                self.settle_dropped(client, delivery),
+            )
+        await _contained(
+            "handing back entries not started",
+            self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000),
+        )
+        await self.set_idle(client, 0, self.deliveries())
+
+    async def settle_dropped(self, client: Any, delivery: Delivery) -> None:
+        """Dead-letter (or decline) an entry whose receiver callback ended
+        without an ack."""
+        task = delivery.task
+        assert task is not None
+        error = task.exception()
+        if delivery.unknown_task is not None:
+            # taskiq < 0.13 skips an unknown task without an ack.
+            await self.decline(client, delivery)
+            return
+        if delivery.unparsable is not None:
+            # taskiq < 0.13 skips what it cannot parse without an ack.
+            reason = delivery.unparsable
+        elif error is None:  # e.g. a manual-ack task that never acked
+            reason = "its task ended without acking it"
+        else:
+            reason = bounded_reason(
+                "taskiq's receiver raised after starting it, without acking:"
+                f" {type(error).__name__}: {error}"
+            )
+        await self.dead_letter(client, delivery, reason)
 
     async def decline(self, client: Any, delivery: Delivery) -> None:
         """In place of the ack of an entry whose task this worker does not
@@ -349,7 +320,8 @@ class InFlight:
         self, client: Any, idle_ms: int, deliveries: list[Delivery]
     ) -> None:
         """Set the idle time of those still owned; forget those not owned."""
-        for stream, ids in _by_stream(deliveries):
+        for stream, of_stream in _by_stream(deliveries):
+            ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
                 chunk = ids[start : start + SCRIPT_BATCH]
                 lost = await self.scripts.call(
@@ -363,38 +335,50 @@ class InFlight:
                 for entry_id in lost:
                     self.discard(stream, text(entry_id))
 
-    async def hand_back(self, client: Any) -> int:
-        """Make every held entry claimable at once and take back the starts
-        recorded for tasks the shutdown interrupted; returns how many."""
+    async def hand_back(self, client: Any, held: list[Delivery], idle_ms: int) -> int:
+        """Set the idle time of ``held`` (idle_timeout: claimable at once), take
+        back their starts (a shutdown is no crash), forget them; count owned."""
         handed = 0
-        for stream, _ in _by_stream(self.deliveries()):
-            held = [d for d in self.deliveries() if d.stream == stream]
-            # Started first: the script takes back the first n ids' starts.
-            held.sort(key=lambda d: not d.started)
+        for stream, in_stream in _by_stream(held):
             keys = StreamKeys(stream, self.group)
-            for start in range(0, len(held), SCRIPT_BATCH):
-                chunk = held[start : start + SCRIPT_BATCH]
+            for start in range(0, len(in_stream), SCRIPT_BATCH):
+                chunk = in_stream[start : start + SCRIPT_BATCH]
+                ids = [d.entry_id for d in chunk]
                 n_started = sum(d.started for d in chunk)
                 lost = await self.scripts.call(
                     client,
                     HAND_BACK,
                     [stream, keys.started],
-                    [
-                        self.group,
-                        self.consumer,
-                        self.settings.idle_timeout,
-                        n_started,
-                        *(d.entry_id for d in chunk),
-                    ],
+                    [self.group, self.consumer, idle_ms, n_started, *ids],
                 )
                 handed += len(chunk) - len(lost)
-                self.metrics.add("handed_back", stream, len(chunk) - len(lost))
-        self.clear()
+                if idle_ms:
+                    self.metrics.add("handed_back", stream, len(chunk) - len(lost))
+                for entry_id in ids:
+                    self.discard(stream, entry_id)
         return handed
 
 
-def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[str]]]:
-    streams: dict[str, list[str]] = {}
+async def _contained(what: str, step: Awaitable[None]) -> None:
+    """Run one heartbeat step; log its failure instead of raising it, unless
+    the server is unreachable."""
+    try:
+        await step
+    except Exception as error:
+        if classify(error) is Fault.UNREACHABLE:
+            raise
+        logger.warning(
+            "Heartbeat: %s failed (tried again at the next beat; running"
+            " entries are still kept from being reclaimed): %s",
+            what,
+            error,
+        )
+
+
+def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[Delivery]]]:
+    """Per stream, started first (as hand_back.lua takes them), then by id."""
+    streams: dict[str, list[Delivery]] = {}
     for delivery in deliveries:
-        streams.setdefault(delivery.stream, []).append(delivery.entry_id)
-    yield from ((stream, sorted(ids)) for stream, ids in streams.items())
+        streams.setdefault(delivery.stream, []).append(delivery)
+    for stream, held in streams.items():
+        yield stream, sorted(held, key=lambda d: (not d.started, d.entry_id))

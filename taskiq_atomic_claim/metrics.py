@@ -45,6 +45,15 @@ class ReclaimMetrics:
     def __init__(self) -> None:
         self._counts = dict.fromkeys(COUNTERS, 0)
 
+    def declare(self, streams: list[str]) -> None:
+        """Make every counter exist at 0 for ``streams`` (and the script
+        reloads, counted under "*"), so an alert can tell 0 from absent.
+        Called as a worker starts listening, not at construction: taskiq's
+        PrometheusMiddleware picks the (multiprocess) storage in its own."""
+        for name, counter in _prometheus().items():
+            for stream in ["*"] if name == "script_reloads" else streams:
+                counter.labels(stream=stream)
+
     def add(self, name: str, stream: str, amount: int = 1) -> None:
         if amount <= 0:
             return

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.in_flight import InFlight
@@ -23,6 +24,7 @@ from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.operations import DROP_TRIMMED
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.server_info import LUA_CLAIM, NATIVE_CLAIM, ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -62,11 +64,21 @@ class NativeReads:
     def _connection(self) -> Any:
         raise NotImplementedError
 
+    if TYPE_CHECKING:  # Claiming's and ReclaimingListener's, later in the MRO
+
+        @property
+        def _next_claim(self) -> float: ...
+
+        _read_new: Callable[..., Awaitable[list[tuple[str, str, dict[Any, Any]]]]]
+
     def _init_native_reads(self) -> None:
         self.server = None
         self._next_sweep = time.monotonic() + self.claim_settings.idle_timeout / 1000
         self._sweep_from = {}
         self._chosen_on = None
+        # Where reads reclaim, per stream: not before this (monotonic s);
+        # see ReclaimingListener._stand_aside.
+        self._read_claims_from: dict[str, float] = {}
 
     async def learn_server(self, client: Any) -> ServerInfo:
         """What the server is and can do; INFO once until the server may
@@ -111,6 +123,38 @@ class NativeReads:
             server = await self.learn_server(client)
         server.require_acked_deletion()
 
+    async def _read_step(
+        self, client: Any, read_from: dict[str, Any], reads_reclaim: bool
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """One bounded read: until the next claim at most; where reads
+        reclaim, one claim interval at most, after the rare upkeep."""
+        if not reads_reclaim:
+            until = self._next_claim
+            return await within(
+                max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
+                self._read_new(client, read_from, until),
+            )
+        await self.sweep_if_due(client)
+        now = time.monotonic()
+        until = now + self.claim_settings.claim_interval / 1000
+        aside = {s for s, at in self._read_claims_from.items() if at > now}
+        if aside:
+            # Streams standing aside are read without CLAIM; the others
+            # claim first, without blocking, then everything is read new:
+            # they still reclaim once per claim interval at least.
+            claiming = {s: v for s, v in read_from.items() if s not in aside}
+            if claiming:
+                claimed = await within(
+                    REPLY_MARGIN_S,
+                    self._read_new(client, claiming, now, claim=True, block=False),
+                )
+                if claimed:
+                    return claimed
+        return await within(
+            max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
+            self._read_new(client, read_from, until, claim=not aside),
+        )
+
     async def drop_trimmed(self, client: Any) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the
         stream while pending (CLAIM skips them, so nothing else would), and
@@ -127,6 +171,7 @@ class NativeReads:
                     self.claim_settings.idle_timeout,
                     self.claim_settings.batch_size,
                     self._sweep_from.get(stream, "-"),
+                    self.consumer_name,
                 ],
             )
             self._sweep_from[stream] = text(next_start)

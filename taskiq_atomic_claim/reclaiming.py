@@ -22,9 +22,10 @@ from taskiq.abc.formatter import TaskiqFormatter
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
+from taskiq_atomic_claim.delivery import EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
-from taskiq_atomic_claim.in_flight import EntryData, InFlight
+from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
@@ -94,8 +95,6 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
         self._claim_due: dict[str, float] = {}
-        # Where reads reclaim: not before this (monotonic s); see _stand_aside.
-        self._read_claims_from = 0.0
         # Shared by every ack: one outage, one log line, however many acks.
         self._ack_backoff = Backoff(
             f"acks of consumer {self.consumer_name}",
@@ -225,6 +224,8 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
 
     def _begin_listening(self) -> None:
         """What a new listen() (one new connection) starts from."""
+        self._listened = True
+        self.metrics.declare(self.streams)
         self._track_starts()
         self._start_heartbeat()
         self._claim_due = dict.fromkeys(self.streams, time.monotonic())
@@ -243,22 +244,6 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         if not any(isinstance(m, StartRecorder) for m in self.middlewares):
             self.add_middlewares(StartRecorder(self.in_flight, self._connection))
 
-    async def _read_step(
-        self, client: Any, read_from: dict[str, Any], reads_reclaim: bool
-    ) -> list[tuple[str, str, dict[Any, Any]]]:
-        """One bounded read: until the next claim at most; where reads
-        reclaim, one claim interval at most, after the rare upkeep."""
-        if reads_reclaim:
-            await self.sweep_if_due(client)
-            reads_reclaim = time.monotonic() >= self._read_claims_from
-            until = time.monotonic() + self.claim_settings.claim_interval / 1000
-        else:
-            until = self._next_claim
-        return await within(
-            max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
-            self._read_new(client, read_from, until, claim=reads_reclaim),
-        )
-
     async def _read_new(
         self,
         client: Any,
@@ -266,19 +251,21 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         next_claim: float,
         *,
         claim: bool = False,
+        block: bool = True,
     ) -> list[tuple[str, str, dict[Any, Any]]]:
         """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
-        first, taken over by the read itself."""
+        first, taken over by the read itself. Without ``block`` it returns
+        at once."""
         # Never block past the next claim: reclaim must not wait for traffic.
         until = max(1, int((next_claim - time.monotonic()) * 1000))
-        block = min(self.block, until) if self.block else until
+        block_ms = (min(self.block, until) if self.block else until) if block else None
         idle = self.claim_settings.idle_timeout
         extra = {"claim_min_idle_time": idle} if claim else {}
         fetched: Any = await client.xreadgroup(
             self.consumer_group_name,
             self.consumer_name,
             read_from,
-            block=block,
+            block=block_ms,
             count=self.count,
             **extra,
         )
@@ -318,12 +305,13 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         """After declining an entry of ``stream`` (its task unknown here),
         claim nothing for a while: past the lease this consumer may hold and
         the time others wait past it, and one claim interval more, so another
-        consumer claims it first. Where reads reclaim, no read claims."""
+        consumer claims it first. Where reads reclaim, no read claims on
+        ``stream``; the other streams go on claiming."""
         settings = self.claim_settings
         wait = settings.lease + settings.skip_wait + settings.claim_interval
         until = time.monotonic() + wait / 1000
         self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
-        self._read_claims_from = until
+        self._read_claims_from[stream] = until
 
     def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
         """XACK and forget the entry's start count in one round trip; an

@@ -18,6 +18,7 @@ count is refused before any round trip.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Callable, Sequence
@@ -253,6 +254,9 @@ class ScriptRunner:
         # went missing (restart, flush, failover); a first load is none.
         self.reloads = 0
         self._loaded = False
+        # Loads made after a call found the library missing (see _reload).
+        self._loads = 0
+        self._load_lock = asyncio.Lock()
 
     async def server(self, client: ScriptClient) -> ServerInfo:
         """The server, read once (INFO server) until ``forget_server``."""
@@ -323,6 +327,7 @@ class ScriptRunner:
         args: Sequence[str | int],
     ) -> ReplyT:
         operation.check_keys(keys)
+        loads_before = self._loads
         try:
             reply = await self._invoke(client, operation, keys, args)
         except ResponseError as error:
@@ -331,12 +336,23 @@ class ScriptRunner:
         else:
             self._loaded = True
             return reply
-        if self._loaded:
-            self.reloads += 1
-            if self._on_reload is not None:
-                self._on_reload()
-        await self.load(client)
+        await self._reload(client, loads_before)
         return await self._invoke(client, operation, keys, args)
+
+    async def _reload(self, client: ScriptClient, loads_before: int) -> None:
+        """Load the library after a call found it missing, one load at a
+        time: every call in flight finds it missing at once after a restart,
+        flush or failover, and those that waited here call again on the load
+        made since they were sent."""
+        async with self._load_lock:
+            if self._loads != loads_before:
+                return
+            if self._loaded:
+                self.reloads += 1
+                if self._on_reload is not None:
+                    self._on_reload()
+            await self.load(client)
+            self._loads += 1
 
     async def _invoke(
         self,

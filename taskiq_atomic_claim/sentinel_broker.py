@@ -46,6 +46,7 @@ from taskiq_atomic_claim.settings import (
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
+    default_consumer_name,
     require_name,
 )
 
@@ -111,7 +112,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             reclaimed from a consumer that stopped.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
-            by default one claim interval, never forever.
+            by default one claim interval, never forever; at most
+            idle_timeout (a longer one is cut, with a warning).
         :param xread_count: entries one XREADGROUP returns at most.
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. The loop leaves a
@@ -156,7 +158,9 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             min_other_sentinels=min_other_sentinels,
             queue_name=queue_name,
             consumer_group_name=consumer_group_name,
-            consumer_name=consumer_name,
+            consumer_name=(
+                default_consumer_name() if consumer_name is None else consumer_name
+            ),
             consumer_id=consumer_id,
             mkstream=mkstream,
             xread_block=xread_block,
@@ -170,17 +174,37 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         self.count = xread_count
         self._init_reclaim(claim_settings)
         self._master_checked = 0.0
+        self._master_client: Redis | None = None
+
+    def _master(self) -> Redis:
+        """The broker's one master client, made at first use: reads, claims,
+        acks, start records and heartbeats share its pool, which asks the
+        sentinels for the master when it opens a connection and drops its
+        idle ones when ``_follow_master`` finds the master moved. Kicks keep
+        the parent's client per kick: a producer sees no stale connection
+        after a failover."""
+        if self._master_client is None:
+            ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
+            connection_class = (
+                MasterFollowingSSLConnection if ssl else MasterFollowingConnection
+            )
+            self._master_client = self.sentinel.master_for(
+                self.master_name, connection_class=connection_class
+            )
+        return self._master_client
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Redis]:
-        ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
-        connection_class = (
-            MasterFollowingSSLConnection if ssl else MasterFollowingConnection
-        )
-        async with self.sentinel.master_for(
-            self.master_name, connection_class=connection_class
-        ) as client:
-            yield client
+        # Acks and heartbeats follow the master too: while every slot is
+        # busy the listen loop is parked and checks nothing, and the old
+        # master takes writes until it is demoted, then throws them away.
+        # A failed look-up leaves the pool as it is (its connections may
+        # still reach the master). Leaving the context closes nothing: the
+        # pool is the broker's, and its shutdown disconnects it.
+        client = self._master()
+        with contextlib.suppress(*UNREACHABLE):
+            await self._follow_master(client)
+        yield client
 
     async def _declare_consumer_group(self) -> None:
         # As the parent, except that a worker started mid-failover does not
@@ -236,6 +260,17 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         await self.check_durability()
 
     async def shutdown(self) -> None:
-        """Hand unacked deliveries back, then shut down as the parent does."""
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``finish_shutdown``); then close
+        the master client's pool."""
         await self.hand_back()
-        await super().shutdown()
+        try:
+            await super().shutdown()
+        finally:
+            try:
+                await self.finish_shutdown()
+            finally:
+                client, self._master_client = self._master_client, None
+                if client is not None:
+                    await client.aclose()

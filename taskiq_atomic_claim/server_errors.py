@@ -207,6 +207,16 @@ def certainly_not_written(error: BaseException) -> bool:
     return False
 
 
+def group_exists(error: ResponseError) -> bool:
+    """BUSYGROUP: XGROUP CREATE found the group already there."""
+    return reply_code(error) == "BUSYGROUP"
+
+
+def stream_missing(error: ResponseError) -> bool:
+    """XGROUP CREATE without MKSTREAM on a stream that does not exist."""
+    return "requires the key to exist" in str(error)
+
+
 def is_missing_script(error: ResponseError) -> bool:
     """A script or function the server does not have (restart, flush,
     failover to a node that never had it): load it and call again."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
+import secrets
+import socket
 from dataclasses import dataclass
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -66,6 +69,13 @@ def require_name(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     return value
+
+
+def default_consumer_name() -> str:
+    """``<host>-<pid>-<6 hex>``, where the parent uses a random UUID: an
+    operator can tell which host and process a consumer was; the random part
+    keeps it unique across pid reuse and containers sharing host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
@@ -249,12 +259,41 @@ def check_broker_arguments(
                     " stream id such as '0' or '1700000000000-0' (each part"
                     f" <= 2**64-1), as XREADGROUP accepts, got {start!r}"
                 )
+    lease = _bounded_lease(settings)
     return dataclasses.replace(
         settings,
+        lease=lease,
         delete_acked=delete_acked,
         kick_patience=float(kick_patience),
         idempotency_window=window,
     )
+
+
+def _bounded_lease(settings: ClaimSettings) -> int:
+    """The lease, at most idle_timeout: a longer one lets a worker that dies
+    holding it keep every other claimer off past the time its entries turn
+    idle, and a SIGKILLed worker's tasks would re-run after lease + claim
+    interval instead of idle_timeout + claim_interval. Cut, with one warning
+    (a value kept from taskiq-redis must not stop the worker)."""
+    idle, interval, lease = (
+        settings.idle_timeout,
+        settings.claim_interval,
+        settings.lease,
+    )
+    if lease <= idle:
+        return lease
+    logger.warning(
+        "unacknowledged_lock_timeout=%g s is longer than idle_timeout (%d ms):"
+        " a worker that dies holding the claim lease would keep others from"
+        " reclaiming for up to %g s. The lease is cut to idle_timeout, so a"
+        " killed worker's tasks re-run within idle_timeout + claim_interval"
+        " (%g s)",
+        lease / 1000,
+        idle,
+        (lease + interval) / 1000,
+        (idle + interval) / 1000,
+    )
+    return idle
 
 
 def _check_socket_timeout(

@@ -14,17 +14,30 @@ from redis.exceptions import ResponseError
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import (
     GroupPositions,
+    create_group,
     first_position,
     recreate_group,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_calls import UNREACHABLE
+from taskiq_atomic_claim.server_errors import stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
 
 class StreamTypeError(RuntimeError):
     """A key the broker must read as a stream holds another type (WRONGTYPE)."""
+
+
+async def require_stream_type(client: Any, stream: str) -> None:
+    """Raise ``StreamTypeError``, naming the key, if ``stream`` holds another
+    type than a stream (no key at all is fine)."""
+    kind = text(await client.type(stream))
+    if kind not in ("stream", "none"):
+        raise StreamTypeError(
+            f"key {stream!r} holds a {kind}, not a stream: pick another"
+            " queue_name / additional_streams key or remove that key"
+        )
 
 
 class StreamSetup:
@@ -46,12 +59,7 @@ class StreamSetup:
         """Fail at startup, naming the key, if a stream key holds another type."""
         async with self._connection() as client:
             for stream in self.streams:
-                kind = text(await client.type(stream))
-                if kind not in ("stream", "none"):
-                    raise StreamTypeError(
-                        f"key {stream!r} holds a {kind}, not a stream: pick another"
-                        " queue_name / additional_streams key or remove that key"
-                    )
+                await require_stream_type(client, stream)
 
     async def _declare_consumer_group(self) -> None:
         """Startup: create the group where missing, as the parent does, but
@@ -60,14 +68,20 @@ class StreamSetup:
             await self.declare_groups(client)
 
     async def declare_groups(self, client: Any) -> None:
+        """Create each stream's group where missing; a refusal that retrying
+        cannot heal (NOPERM, ...) fails the start (``GroupCreationError``)."""
         for stream in self.streams:
+            # A key of another type is named as such, not as a refused group.
+            await require_stream_type(client, stream)
             start = await first_position(client, stream, self.consumer_id)
             try:
-                await client.xgroup_create(
-                    stream, self.consumer_group_name, id=start, mkstream=self.mkstream
+                await create_group(
+                    client, stream, self.consumer_group_name, start, self.mkstream
                 )
-            except ResponseError as error:  # BUSYGROUP, mostly
-                logger.debug("%s", error)
+            except ResponseError as error:
+                # No stream (mkstream=False) or an outage: the listen loop
+                # creates the group once it can.
+                logger.debug("Group on %r not created yet: %s", stream, error)
 
     async def recreate_groups(self, client: Any) -> None:
         """Re-create the consumer group on every stream that lost it, never
@@ -81,7 +95,10 @@ class StreamSetup:
                     self.group_positions.get(stream),
                     self.mkstream,
                 )
-            except ResponseError as error:  # e.g. mkstream=False, stream gone
+            except ResponseError as error:
+                if not stream_missing(error):
+                    raise
+                # mkstream=False and the stream gone: tried again later.
                 logger.debug("Group on %r not re-created: %s", stream, error)
                 continue
             if start is not None:

@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from taskiq_atomic_claim.in_flight import Delivery
+    from taskiq_atomic_claim.delivery import Delivery
 
 logger = logging.getLogger("taskiq.atomic_claim")
 

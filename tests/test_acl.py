@@ -31,6 +31,7 @@ from taskiq_atomic_claim.admin.acl import (
     worker_commands,
     worker_key_patterns,
 )
+from taskiq_atomic_claim.group_recovery import GroupCreationError
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.replies import text
@@ -116,9 +117,14 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
     )
     listener = broker.listen()
     try:
-        # Without +fcall/+evalsha the broker refuses at startup (its probe
-        # is what ACL LOG shows refused).
-        refusals = (RedisError, ScriptingUnavailableError, asyncio.TimeoutError)
+        # Without +fcall/+evalsha or +xgroup|create the broker refuses at
+        # startup (its probe is what ACL LOG shows refused).
+        refusals = (
+            RedisError,
+            ScriptingUnavailableError,
+            GroupCreationError,
+            asyncio.TimeoutError,
+        )
         with contextlib.suppress(*refusals):
             steps.append("startup")
             await broker.startup()

@@ -73,6 +73,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "throughput",
         "mass_recovery",
         "fleet_idle",
+        "longest_calls",
         "kicks",
         "targets",
     ):
@@ -152,6 +153,10 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     atomic_idle = next(row for row in idle if row["broker"] == "atomic")
     assert atomic_idle["monitor_outer"] and atomic_idle["monitor_nested"]
 
+    for row in results["longest_calls"]:
+        calls = row["calls"]
+        assert {"drop_trimmed", "claim", "XAUTOCLAIM", "set_idle", "ack"} <= set(calls)
+        assert all(f["longest_ms"] >= f["p50_ms"] >= 0 for f in calls.values())
     kicked = results["kicks"]
     assert {row["variant"] for row in kicked["rows"]} <= set(kicks.VARIANTS)
     assert all(row["kicks_per_s"] > 0 for row in kicked["rows"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -213,6 +214,56 @@ def test_bad_settings_raise_value_error_naming_the_parameter(
     kwargs: dict[str, Any] = {"idle_timeout": IDLE_MS, argument: value}
     with pytest.raises(ValueError, match=argument):
         AtomicRedisStreamBroker("redis://127.0.0.1:1", **kwargs)
+
+
+async def test_a_lease_kept_from_taskiq_redis_does_not_stretch_the_rerun_bound(
+    make_broker: Any,
+) -> None:
+    # unacknowledged_lock_timeout=60 (seconds, taskiq-redis's unit) with a
+    # 400 ms idle_timeout: the worker holding the lease dies, and another
+    # re-runs its tasks within idle_timeout + claim_interval, not 60 s.
+    holder = await make_broker(consumer_name="holder", unacknowledged_lock_timeout=60)
+    rival = await make_broker(consumer_name="rival", unacknowledged_lock_timeout=60)
+    for number in range(3):
+        await holder.kick(message(f"m{number}"))
+    listener = holder.listen()
+    assert [await receive(listener, 2) for _ in range(3)] != [None] * 3
+    await die(holder, listener)
+    died = time.monotonic()
+    rival_listener = rival.listen()
+    reran: list[AckableMessage] = []
+    while len(reran) < 3:
+        delivered = await receive(rival_listener, died + 5 - time.monotonic())
+        if delivered is None:
+            break
+        reran.append(delivered)
+    took = time.monotonic() - died
+    print(f"\nlease kept at 60 s: {len(reran)} re-run {took:.2f} s after the kill")
+    assert len(reran) == 3
+    assert took <= (IDLE_MS + INTERVAL_MS) / 1000 + 1.0
+
+
+def test_a_lease_longer_than_idle_timeout_is_cut_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "taskiq.atomic_claim"):
+        broker = AtomicRedisStreamBroker(
+            "redis://127.0.0.1:1",
+            idle_timeout=3000,
+            claim_interval=750,
+            unacknowledged_lock_timeout=60,
+        )
+    assert broker.claim_settings.lease == 3000
+    [warning] = caplog.records
+    assert "unacknowledged_lock_timeout" in warning.message
+    assert "idle_timeout + claim_interval (3.75 s)" in warning.message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "taskiq.atomic_claim"):
+        within = AtomicRedisStreamBroker(
+            "redis://127.0.0.1:1", idle_timeout=3000, unacknowledged_lock_timeout=3
+        )
+    assert within.claim_settings.lease == 3000
+    assert caplog.records == []
 
 
 def test_defaults_follow_the_parent() -> None:

@@ -21,16 +21,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from taskiq import AckableMessage
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.group_recovery import GroupCreationError
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
-from tests.conftest import Server
+from tests.conftest import Server, server_command, with_user
 from tests.test_broker import message, receive
 
 LOGGER = "taskiq.atomic_claim"
@@ -82,6 +83,7 @@ async def busy(redis: Redis) -> AsyncIterator[None]:
     # On a connection of its own from the pool; SCRIPT KILL on another.
     script = asyncio.ensure_future(redis.eval(_BUSY_LOOP, 0, 10**12))
     try:
+        await asyncio.sleep(0.2)  # past lua-time-limit: BUSY from here on
         yield
     finally:
         for _ in range(50):
@@ -340,6 +342,53 @@ async def test_a_missing_group_that_cannot_heal_is_backed_off(
     # Healed from outside: the loop picks the group up again.
     await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
     await kicked_and_received(broker, nxt, "healed")
+
+
+NO_XGROUP_USER, NO_XGROUP_PASSWORD = "no-xgroup", "no-xgroup-password"
+
+
+@pytest.fixture
+async def no_xgroup_user(server: Server, redis: Redis) -> AsyncIterator[str]:
+    """A user that may run everything but XGROUP; its URL. Tests take the
+    right away from a live connection with ``deny_xgroup``."""
+    await server_command(
+        redis, "ACL", "SETUSER", NO_XGROUP_USER, "reset", "on",
+        f">{NO_XGROUP_PASSWORD}", "~*", "&*", "+@all",
+    )  # fmt: skip
+    try:
+        yield with_user(server.url, NO_XGROUP_USER, NO_XGROUP_PASSWORD)
+    finally:
+        await server_command(redis, "ACL", "DELUSER", NO_XGROUP_USER)
+
+
+async def deny_xgroup(redis: Redis) -> None:
+    await server_command(redis, "ACL", "SETUSER", NO_XGROUP_USER, "-xgroup")
+
+
+async def test_a_group_the_user_may_not_create_fails_startup(
+    server: Server, redis: Redis, no_xgroup_user: str
+) -> None:
+    await deny_xgroup(redis)
+    broker = AtomicRedisStreamBroker(no_xgroup_user, idle_timeout=600)
+    try:
+        with pytest.raises(GroupCreationError, match=r"NOPERM|permission"):
+            await broker.startup()
+    finally:
+        await broker.shutdown()
+
+
+async def test_a_group_the_user_may_not_recreate_ends_listen(
+    workers: Workers, redis: Redis, no_xgroup_user: str
+) -> None:
+    # Deleted while the worker runs, and the worker may not create it:
+    # listen() raises the refusal instead of retrying for ever.
+    broker = await workers.start(no_xgroup_user, consumer_name="worker")
+    await deny_xgroup(redis)
+    await redis.xgroup_destroy("taskiq", "taskiq")
+    await redis.xadd("taskiq", {"data": "x"})
+    with pytest.raises(GroupCreationError, match=r"NOPERM|permission") as raised:
+        await asyncio.wait_for(workers.next_message(broker), 10)
+    assert isinstance(raised.value.__cause__, NoPermissionError)
 
 
 async def test_acks_giving_up_in_an_outage_log_one_line_and_raise_nothing(

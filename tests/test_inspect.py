@@ -36,6 +36,7 @@ GROUP_KEYS = [
     "oldest_pending_idle_ms",
     "pel_scanned",
     "pel_scan_complete",
+    "consumer_count",
     "consumers",
     "lease",
     "cursor",

@@ -173,14 +173,16 @@ async def test_the_sweep_drops_only_idle_pending_entries_whose_data_is_gone(
     runner, keys = ScriptRunner(), [KEYS.stream, KEYS.started]
 
     # Not idle long enough: a live worker may hold them.
-    reply = await runner.call(redis, DROP_TRIMMED, keys, [KEYS.group, 60_000, 10, "-"])
+    reply = await runner.call(
+        redis, DROP_TRIMMED, keys, [KEYS.group, 60_000, 10, "-", "sweeper"]
+    )
     assert [text(reply[0]), reply[1]] == ["-", []]
     assert (await redis.xpending(KEYS.stream, KEYS.group))["pending"] == 5
 
     starts, dropped = ["-"], []
     for _ in range(5):
         next_start, page = await runner.call(
-            redis, DROP_TRIMMED, keys, [KEYS.group, 0, 2, starts[-1]]
+            redis, DROP_TRIMMED, keys, [KEYS.group, 0, 2, starts[-1], "sweeper"]
         )
         dropped += [text(entry_id) for entry_id in page]
         starts.append(text(next_start))

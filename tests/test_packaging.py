@@ -36,6 +36,7 @@ def test_wheel_installs_into_a_fresh_venv_and_loads_the_library(tmp_path: Path) 
     )
     assert packaged == lua_files
     assert "taskiq_atomic_claim/py.typed" in names
+    assert "taskiq_atomic_claim/web/page.html" in names  # serve's page
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)

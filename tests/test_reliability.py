@@ -17,7 +17,7 @@ from taskiq.utils import maybe_awaitable
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.scripts import LoadMode
+from taskiq_atomic_claim.scripts import LIBRARY, LoadMode
 from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server, server_command
 from tests.receiver import start_as_the_receiver_does
@@ -79,6 +79,48 @@ async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
         assert owner.metrics.snapshot()["heartbeats"] >= 3
         await maybe_awaitable(task.ack())
         assert owner.in_flight["taskiq"] == set()
+    finally:
+        await owner.shutdown()
+        await rival.shutdown()
+
+
+async def test_a_heartbeat_step_that_fails_every_time_leaves_the_idle_reset(
+    server: Server,
+    redis: Redis,
+    planted_keys: set[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Dead-lettering fails at every beat (its key holds a string: WRONGTYPE);
+    # the running task beside it must still be kept from being reclaimed.
+    owner = await started(server, consumer_name="owner")
+    rival = await started(server, consumer_name="rival")
+    dead_letters = StreamKeys("taskiq", "taskiq").dead_letters
+    await redis.set(dead_letters, "not a stream")
+    planted_keys.add(dead_letters)
+    finish = asyncio.Event()
+
+    async def run(delivered: AckableMessage, until: asyncio.Event | None) -> None:
+        await start_as_the_receiver_does(owner, delivered)
+        if until is not None:
+            await until.wait()
+            await maybe_awaitable(delivered.ack())
+
+    try:
+        await owner.kick(message("dropped"))
+        await owner.kick(message("long"))
+        listener = owner.listen()
+        dropped, long = await receive(listener, 2), await receive(listener, 2)
+        assert dropped is not None and long is not None
+        # Its callback ends without an ack: the heartbeat dead-letters it.
+        await asyncio.create_task(run(dropped, None))
+        running = asyncio.create_task(run(long, finish))
+        with caplog.at_level(logging.WARNING, "taskiq.atomic_claim"):
+            assert await receive(rival.listen(), 3 * IDLE_MS / 1000) is None
+        assert "WRONGTYPE" in caplog.text
+        pending = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
+        assert [entry["consumer"] for entry in pending] == [b"owner", b"owner"]
+        finish.set()
+        await running
     finally:
         await owner.shutdown()
         await rival.shutdown()
@@ -275,6 +317,51 @@ async def test_script_flush_mid_run_is_transparent(
     finally:
         await dead.shutdown()
         await alive.shutdown()
+
+
+async def library_loads(redis: Redis, functions: bool) -> int:
+    """Loads of the library the server ran since its stats were reset
+    (6.2: one SCRIPT LOAD per operation, counted under SCRIPT)."""
+    stats = await redis.info("commandstats")
+    if functions:
+        return int(stats.get("cmdstat_function|load", {}).get("calls", 0))
+    calls = int(
+        stats.get("cmdstat_script", stats.get("cmdstat_script|load", {})).get(
+            "calls", 0
+        )
+    )
+    return calls // len(LIBRARY.scripts)
+
+
+async def test_concurrent_calls_after_a_flush_reload_the_library_once(
+    server: Server, redis: Redis
+) -> None:
+    # Every ack in flight sees the library missing at once.
+    tasks = 40
+    broker = await started(server, consumer_name="alive")
+    try:
+        listener = broker.listen()
+        for number in range(tasks):
+            await broker.kick(message(f"m{number}"))
+        delivered = [await receive(listener, 2) for _ in range(tasks)]
+        await maybe_awaitable(delivered[0].ack())  # type: ignore[union-attr]
+        # A connection each, open already, as after a while of traffic.
+        async with broker._connection() as client:
+            await asyncio.gather(*(client.type("taskiq") for _ in range(tasks)))
+        await server_command(redis, "SCRIPT", "FLUSH")
+        if server.info.functions:
+            await server_command(redis, "FUNCTION", "FLUSH")
+        await redis.config_resetstat()
+        await asyncio.gather(
+            *(maybe_awaitable(m.ack()) for m in delivered[1:] if m is not None)
+        )
+        loads = await library_loads(redis, server.info.functions)
+        print(f"\n{tasks - 1} concurrent acks after a flush: {loads} library loads")
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+        assert loads == 1
+        assert broker.scripts.reloads == 1
+    finally:
+        await broker.shutdown()
 
 
 async def test_killed_connections_do_not_end_listen(

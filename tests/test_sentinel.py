@@ -23,6 +23,7 @@ from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, _library_name
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 from taskiq_atomic_claim.server_info import (
@@ -30,6 +31,7 @@ from taskiq_atomic_claim.server_info import (
     ScriptingUnavailableError,
     ServerInfo,
 )
+from tests.receiver import start_as_the_receiver_does
 from tests.test_cli import cli
 from tests.topologies import (
     HOST,
@@ -269,6 +271,62 @@ async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
     assert unexpiring_keys([sentinels.master_port()]) == []
 
 
+def connections_received(port: int) -> int:
+    with SyncRedis(host=HOST, port=port) as client:
+        stats: Any = client.info("stats")
+    # Less this look-up's own connection.
+    return int(stats["total_connections_received"]) - 1
+
+
+@bounded(60)
+async def test_a_broker_keeps_its_connections_across_tasks(
+    sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    """Start records, heartbeats and acks reuse the broker's pooled
+    connections to the master: the count of new connections does not grow
+    with the tasks run."""
+    tasks = 40
+    queue = f"pooled-{uuid.uuid4().hex[:6]}"
+    broker = await make_broker(sentinels, queue, "pooled")
+    master = sentinels.master_port()
+    sentinel_ports = [sentinel.port for sentinel in sentinels.sentinels]
+    # Kicks open a client each, as the parent's do: counted out.
+    bodies = await kick(broker, queue, tasks, "t")
+    before = connections_received(master)
+    sentinels_before = sum(map(connections_received, sentinel_ports))
+    listener = broker.listen()
+    delivered = [await anext(listener) for _ in range(tasks)]
+    finish = asyncio.Event()
+    # One ack at a time: concurrent calls may each need a connection of
+    # their own, once.
+    one_at_a_time = asyncio.Lock()
+
+    async def run(received: Any) -> None:
+        await start_as_the_receiver_does(broker, received)
+        await finish.wait()
+        async with one_at_a_time:
+            await received.ack()
+
+    running = [asyncio.create_task(run(received)) for received in delivered]
+    # Running past three heartbeats (one every idle_timeout / 3).
+    await asyncio.sleep(IDLE_MS / 1000 * 1.2)
+    finish.set()
+    await asyncio.gather(*running)
+    await listener.aclose()
+    new = connections_received(master) - before
+    to_sentinels = sum(map(connections_received, sentinel_ports)) - sentinels_before
+    print(
+        f"\n{tasks} tasks read, started, heartbeated, acked: {new} new"
+        f" connections to the master, {to_sentinels} to the sentinels"
+    )
+    assert {text(received.data) for received in delivered} == bodies
+    assert pending_on_master(sentinels, queue) == 0
+    assert broker.metrics.snapshot()["heartbeats"] >= 2
+    # A few: the listen loop's blocking read beside the concurrent calls.
+    assert new <= 5
+    assert to_sentinels <= 3
+
+
 # Failovers: each on a setup of its own.
 
 
@@ -382,6 +440,46 @@ async def test_reads_leave_a_replaced_master_between_rare_claims(
     handled = await consumer.wait_for(later, 5)
     assert handled is not None, consumer.bodies
     await consumer.stop()
+
+
+@bounded(120)
+async def test_a_busy_worker_heartbeats_and_acks_on_the_new_master(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # Every slot busy: listen() is parked and never checks the master. The
+    # heartbeat and the ack must still reach the new master, not the old
+    # one, which keeps taking writes until the sentinels demote it (~10 s)
+    # and whose writes are then thrown away.
+    setup = own_sentinels
+    queue = "busy"
+    broker = await make_broker(setup, queue, "busy")
+    await kick(broker, queue, 1, "long")
+    listener = broker.listen()
+    delivered: Any = await anext(listener)
+    finish = asyncio.Event()
+
+    async def run() -> None:
+        await start_as_the_receiver_does(broker, delivered)
+        await finish.wait()
+        await delivered.ack()
+
+    running = asyncio.create_task(run())
+    await asyncio.to_thread(replicate, setup)
+    new_master, _ = await asyncio.to_thread(setup.failover)
+    # Three idle_timeouts: a heartbeat landing anywhere else lets the entry
+    # turn idle on the new master.
+    with SyncRedis(host=HOST, port=new_master) as client:
+        idle_ms: list[int] = []
+        for _ in range(15):
+            await asyncio.sleep(IDLE_MS / 5000)
+            [entry] = client.xpending_range(queue, "taskiq", "-", "+", 10)
+            idle_ms.append(int(entry["time_since_delivered"]))
+    print(f"\nidle ms on the new master after a failover: {idle_ms}")
+    assert max(idle_ms[5:]) < IDLE_MS, idle_ms
+    finish.set()
+    await running
+    await listener.aclose()
+    assert pending_on_master(setup, queue) == 0
 
 
 DRILL_IDLE_MS, DRILL_INTERVAL_MS = 2000, 500

@@ -4,6 +4,9 @@ bounds are exactly what real servers accept."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import socket
 from typing import Any
 
 import pytest
@@ -64,6 +67,19 @@ def test_cluster_and_sentinel_brokers_refuse_the_same(
         AtomicRedisStreamClusterBroker(NOWHERE, **kwargs)
     with pytest.raises(ValueError, match=r"must be"):
         AtomicRedisStreamSentinelBroker([("127.0.0.1", 1)], "mymaster", **kwargs)
+
+
+def test_consumers_are_named_by_host_and_process_unless_named() -> None:
+    host, pid = re.escape(socket.gethostname()), os.getpid()
+    for make in (
+        lambda **kw: AtomicRedisStreamBroker(NOWHERE, **kw),
+        lambda **kw: AtomicRedisStreamClusterBroker(NOWHERE, **kw),
+        lambda **kw: AtomicRedisStreamSentinelBroker([("127.0.0.1", 1)], "m", **kw),
+    ):
+        first, second = make().consumer_name, make().consumer_name
+        assert re.fullmatch(rf"{host}-{pid}-[0-9a-f]{{6}}", first), first
+        assert first != second
+        assert make(consumer_name="worker-1").consumer_name == "worker-1"
 
 
 def test_socket_timeout_above_the_longest_read_is_accepted() -> None:

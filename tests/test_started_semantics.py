@@ -64,29 +64,10 @@ class Queue:
             "TAC_TEST_MAX_DELIVERIES": str(self.max_deliveries),
             "TAC_TEST_OLD_RELEASE": str(int(old_release)),
         }
-        log = (self.log_dir / f"{name}.log").open("ab")
-        return subprocess.Popen(
-            [
-                *_taskiq_command(),
-                "worker",
-                "tests.started_app:broker",
-                "--workers",
-                "1",
-                "--max-prefetch",
-                "0",
-                "--log-level",
-                "INFO",
-                # The poison kills the worker process; taskiq starts another.
-                "--max-fails",
-                "50",
-                *extra_args,
-            ],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        # The poison kills the worker process; taskiq starts another.
+        extra_args = ("--max-fails", "50", *extra_args)
+        return taskiq_worker(
+            "tests.started_app:broker", self.log_dir / f"{name}.log", env, *extra_args
         )
 
     async def kick(self, task: str, *args: Any, **labels: Any) -> None:
@@ -121,6 +102,33 @@ class Queue:
 
     async def dead_letters(self, client: Redis) -> list[DeadLetter]:
         return await list_dead_letters(client, self.keys, count=1000)
+
+
+def taskiq_worker(
+    app: str, log: Path, env: dict[str, str], *extra_args: str
+) -> subprocess.Popen[bytes]:
+    """``taskiq worker APP``: one process, nothing prefetched, its output
+    appended to ``log``, in a session of its own."""
+    return subprocess.Popen(
+        [
+            *_taskiq_command(),
+            "worker",
+            app,
+            "--workers",
+            "1",
+            "--max-prefetch",
+            "0",
+            "--log-level",
+            "INFO",
+            *extra_args,
+        ],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.DEVNULL,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -95,6 +95,55 @@ async def test_the_receiver_hands_an_unknown_task_back_then_dead_letters_it(
     assert "dead letters" in ours[-1].message
 
 
+async def test_declining_an_entry_stands_aside_on_its_stream_only(
+    server: Server, redis: Redis
+) -> None:
+    # Where reads reclaim, a declined entry of one stream must not stop the
+    # claiming reads of the others: an entry a dead worker left on another
+    # stream is reclaimed within idle_timeout + claim_interval all the same.
+    if not server.info.native_claim:
+        pytest.skip("the Lua claim schedules each stream apart (claiming.py)")
+    idle_ms, interval_ms = 4000, 500
+    settings: dict[str, Any] = {
+        "idle_timeout": idle_ms,
+        "claim_interval": interval_ms,
+        "xread_block": 100,
+        "additional_streams": {"side": ">"},
+    }
+    dead = await started(server, consumer_name="dead", **settings)
+    old = await started(server, consumer_name="old", **settings)
+    old.is_worker_process = True
+    receiver = Receiver(old, run_startup=False)
+    dead_listen, listen = dead.listen(), old.listen()
+    try:
+        await redis.xadd("side", {"data": b"orphan"})
+        orphan = await asyncio.wait_for(dead_listen.__anext__(), 5)
+        left = time.monotonic()
+        assert orphan.data == b"orphan"
+        await dead_listen.aclose()
+        await dead.stop_heartbeat()
+        # Declined shortly before the orphan turns idle: standing aside on
+        # every stream would delay it by about one stand-aside (2 s here).
+        await asyncio.sleep(idle_ms / 1000 - 0.5)
+        call = TaskiqMessage(
+            task_id="1", task_name=UNKNOWN, labels={}, args=[], kwargs={}
+        )
+        await old.kick(old.formatter.dumps(call))
+        unknown = await asyncio.wait_for(listen.__anext__(), 5)
+        await asyncio.wait_for(receiver.callback(unknown), 5)
+        again = await asyncio.wait_for(listen.__anext__(), 5)
+        took = time.monotonic() - left
+        print(
+            f"\norphan on another stream reclaimed {took:.2f} s after its worker died"
+        )
+        assert again.data == b"orphan"
+        assert took <= (idle_ms + interval_ms) / 1000 + 0.3
+    finally:
+        await listen.aclose()
+        await old.shutdown()
+        await dead.shutdown()
+
+
 async def test_in_a_rolling_deploy_only_new_workers_run_a_new_task(
     server: Server, redis: Redis, tmp_path: Path
 ) -> None:

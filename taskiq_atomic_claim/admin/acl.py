@@ -18,8 +18,11 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
     ("xpending", "inside claim (6.2), set_idle, hand_back, dead_letter, decline"),
-    ("xclaim", "inside set_idle, hand_back, decline (heartbeat, hand back)"),
-    ("xrange", "inside claim, dead_letter"),
+    (
+        "xclaim",
+        "inside set_idle, hand_back, decline (heartbeat, hand back), drop_trimmed",
+    ),
+    ("xrange", "inside claim, dead_letter, drop_trimmed (6.2)"),
     ("get", "inside claim: lease holder, cursor"),
     ("set", "inside claim: lease, cursor (always with PX)"),
     ("del", "inside claim: finished cursor"),
@@ -28,6 +31,10 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("hincrby", "inside start, hand_back: count a task's starts"),
     ("hmget", "inside claim: start counts of the claimed entries"),
     ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
+    (
+        "xgroup|delconsumer",
+        "inside delete_idle_consumer: a worker exiting owning nothing pending",
+    ),
 )
 # taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
 # worker SETs results (with EX/PX when given), whoever waits reads them.
@@ -42,6 +49,12 @@ DELETE_ACKED_COMMANDS = (("xackdel", "inside ack, claim, dead_letter"),)
 # Redis >= 8.6: kicks set how long the stream remembers task ids (IDMP).
 IDEMPOTENCY_COMMANDS = (
     ("xcfgset", "inside set_idempotency: the stream's IDMP retention"),
+)
+# The ServerGauges middleware (gauges.py), beyond type, xinfo|groups and
+# xpending above.
+GAUGE_COMMANDS = (
+    ("xlen", "ServerGauges: stream and dead-letter lengths"),
+    ("xinfo|consumers", "ServerGauges: how long since a consumer last read"),
 )
 FUNCTION_COMMANDS = (("fcall", "call the library"), ("function|load", "reload it"))
 SCRIPT_COMMANDS = (("evalsha", "call the scripts"), ("script|load", "reload them"))
@@ -69,11 +82,12 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hmget +hdel
+    +hincrby +hmget +hdel +xgroup|delconsumer
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
-  acl --delete-acked) adds +xackdel. On Redis >= 8.6, +xcfgset (kicks
+  acl --delete-acked) adds +xackdel; the ServerGauges middleware (acl
+  --gauges) adds +xlen +xinfo|consumers. On Redis >= 8.6, +xcfgset (kicks
   set how long the stream remembers task ids).
   And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
@@ -132,6 +146,7 @@ def worker_commands(
     handshake: bool = True,
     result_backend: bool = False,
     delete_acked: bool = False,
+    gauges: bool = False,
 ) -> list[str]:
     """``+command`` rules for a server of that version (``INFO`` redis_version)."""
     major, minor = _version(server_version)
@@ -151,6 +166,8 @@ def worker_commands(
         names += [name for name, _ in DELETE_ACKED_COMMANDS]
     if (major, minor) >= (8, 6):
         names += [name for name, _ in IDEMPOTENCY_COMMANDS]
+    if gauges:
+        names += [name for name, _ in GAUGE_COMMANDS]
     if reload:
         names.append(calls[1][0])
     if result_backend:
@@ -172,12 +189,13 @@ def worker_acl_rule(
     literal: bool = True,
     result_backend_prefix: str | None = None,
     delete_acked: bool = False,
+    gauges: bool = False,
 ) -> list[str]:
     """The ACL SETUSER rules (after the user's name and password) for a worker
     reading ``streams`` (queue_name first, then additional_streams) as
     ``group``, writing results under ``result_backend_prefix`` (the result
-    backend's ``prefix_str``), with the broker's ``delete_acked``; see
-    ``WORKER_ACL``."""
+    backend's ``prefix_str``), with the broker's ``delete_acked`` and, with
+    ``gauges``, the ``ServerGauges`` middleware; see ``WORKER_ACL``."""
     if not streams:
         raise ValueError("streams must name at least the queue")
     if result_backend_prefix == "":
@@ -201,5 +219,6 @@ def worker_acl_rule(
             handshake=handshake,
             result_backend=result_backend_prefix is not None,
             delete_acked=delete_acked,
+            gauges=gauges,
         ),
     ]

@@ -141,3 +141,18 @@ async def _requeue(
         client, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], list(ids)
     )
     return [(_text(old), _text(new)) for old, new in reply]
+
+
+async def dead_letters_page(
+    client: Any, keys: StreamKeys, before: str | None = None, count: int = 50
+) -> list[DeadLetter]:
+    """Newest first, at most ``count``, older than the id ``before`` (None:
+    from the newest): one XREVRANGE, however long the stream."""
+    end = "+" if before is None else "(" + before  # exclusive
+    entries = await client.xrevrange(keys.dead_letters, max=end, count=count)
+    return [_parse(entry_id, fields) for entry_id, fields in entries]
+
+
+async def delete_dead_letters(client: Any, keys: StreamKeys, ids: list[str]) -> int:
+    """Drop these dead letters for good; how many existed."""
+    return int(await client.xdel(keys.dead_letters, *ids)) if ids else 0

@@ -19,13 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from taskiq_atomic_claim.gauges import pending_idle_by_consumer
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
 
-# One XPENDING call per group: idle times come from at most this many entries.
-PEL_SCAN_LIMIT = 1000
 # Discovery: SCAN calls of COUNT keys each, and a wall-clock bound.
 SCAN_COUNT = 1000
 MAX_SCAN_CALLS = 10_000
@@ -69,6 +68,8 @@ class GroupView:
     oldest_pending_idle_ms: int | None
     pel_scanned: int
     pel_scan_complete: bool
+    # All of the group's; ``consumers`` may list fewer (``consumer_limit``).
+    consumer_count: int
     consumers: list[ConsumerView]
     lease: KeyView
     cursor: KeyView
@@ -137,8 +138,22 @@ async def _key_view(client: Any, key: str) -> KeyView:
     return KeyView(key, text(value), None if ttl == -2 else ttl)
 
 
+def _first_consumers(
+    consumers: list[ConsumerView], limit: int | None
+) -> list[ConsumerView]:
+    """By name; past ``limit``, only those holding the most, then idle longest
+    (a dead consumer holding entries is what a reader looks for)."""
+    if limit is not None and len(consumers) > limit:
+        consumers = sorted(consumers, key=lambda c: (-c.pending, -c.idle_ms))[:limit]
+    return sorted(consumers, key=lambda c: c.name)
+
+
 async def _group_view(
-    client: Any, stream: str, group: str, info: dict[str, Any] | None
+    client: Any,
+    stream: str,
+    group: str,
+    info: dict[str, Any] | None,
+    consumer_limit: int | None = None,
 ) -> GroupView:
     keys = StreamKeys(stream, group)
     lease = await _key_view(client, keys.lease)
@@ -154,6 +169,7 @@ async def _group_view(
             oldest_pending_idle_ms=None,
             pel_scanned=0,
             pel_scan_complete=True,
+            consumer_count=0,
             consumers=[],
             lease=lease,
             cursor=cursor,
@@ -161,16 +177,7 @@ async def _group_view(
             dead_letters=dead,
         )
     pending = int(info.get("pending", 0))
-    oldest: dict[str, int] = {}
-    scanned: list[dict[str, Any]] = []
-    if pending:
-        scanned = await client.xpending_range(
-            stream, group, min="-", max="+", count=PEL_SCAN_LIMIT
-        )
-    for entry in scanned:
-        name = text(entry["consumer"])
-        idle = int(entry["time_since_delivered"])
-        oldest[name] = max(idle, oldest.get(name, idle))
+    oldest, scanned = await pending_idle_by_consumer(client, stream, group, pending)
     consumers = [
         ConsumerView(
             name=text(raw["name"]),
@@ -187,9 +194,10 @@ async def _group_view(
         last_delivered_id=_optional_text(info.get("last-delivered-id")),
         lag=_optional_int(info.get("lag")),
         oldest_pending_idle_ms=max(oldest.values()) if oldest else None,
-        pel_scanned=len(scanned),
-        pel_scan_complete=len(scanned) >= pending,
-        consumers=sorted(consumers, key=lambda c: c.name),
+        pel_scanned=scanned,
+        pel_scan_complete=scanned >= pending,
+        consumer_count=len(consumers),
+        consumers=_first_consumers(consumers, consumer_limit),
         lease=lease,
         cursor=cursor,
         dead_letters_key=keys.dead_letters,
@@ -197,7 +205,9 @@ async def _group_view(
     )
 
 
-async def inspect_stream(client: Any, stream: str, group: str | None) -> StreamView:
+async def inspect_stream(
+    client: Any, stream: str, group: str | None, consumer_limit: int | None = None
+) -> StreamView:
     kind = text(await client.type(stream))
     infos: dict[str, dict[str, Any]] = {}
     length = 0
@@ -207,7 +217,8 @@ async def inspect_stream(client: Any, stream: str, group: str | None) -> StreamV
             infos[text(raw["name"])] = raw
     names = [group] if group is not None else sorted(infos)
     groups = [
-        await _group_view(client, stream, name, infos.get(name)) for name in names
+        await _group_view(client, stream, name, infos.get(name), consumer_limit)
+        for name in names
     ]
     return StreamView(stream, kind, length, groups)
 
@@ -217,8 +228,11 @@ async def inspect_server(
     streams: list[str] | None = None,
     group: str | None = None,
     runner: ScriptRunner | None = None,
+    consumer_limit: int | None = None,
 ) -> Inspection:
-    """Everything ``inspect`` shows; streams None discovers them."""
+    """Everything ``inspect`` shows; streams None discovers them.
+    ``consumer_limit`` bounds the consumers listed per group (the page's
+    reads stay bounded with thousands of them)."""
     runner = runner or ScriptRunner()
     server = await runner.probe_server(client)
     status = await runner.status(client)
@@ -233,7 +247,10 @@ async def inspect_server(
     discovered = streams is None
     if streams is None:
         streams, truncated = await discover_streams(client)
-    views = [await inspect_stream(client, stream, group) for stream in streams]
+    views = [
+        await inspect_stream(client, stream, group, consumer_limit)
+        for stream in streams
+    ]
     if discovered and group is not None:
         # A discovered stream without that group is someone else's.
         views = [

@@ -44,7 +44,8 @@ format 1; existing keys keep their names, types and meaning::
           "oldest_pending_idle_ms": 61000 | null,
           "pel_scanned": 3,      # PEL entries read for the idle times
           "pel_scan_complete": true,  # false: idle times are lower bounds
-          "consumers": [{
+          "consumer_count": 1,   # all of the group's consumers
+          "consumers": [{        # serve lists at most its --consumers of them
             "name": "worker-1",
             "pending": 2,
             "idle_ms": 120,      # since the consumer last talked to the server
@@ -62,13 +63,38 @@ and an ``error`` in place of a primary it could not read::
 
     {"format": 1, "nodes": [{"format": 1, "node": "10.0.0.1:6379", ...},
                             {"node": "10.0.0.2:6379", "error": "ConnectionError: ..."}]}
+
+``serve`` adds to that object ``"page": {"refresh_s": 2.0, "read_at_ms":
+1700000000000, "changes": false}`` (when it was read; whether requeue and
+delete are allowed), and pages through dead letters, newest first, in this
+shape (``dead_letter_page_to_json``)::
+
+    {
+      "format": 1,
+      "stream": "taskiq", "group": "taskiq",
+      "key": "...",              # the dead-letter stream
+      "count": 120,              # XLEN: all of them
+      "letters": [{
+        "id": "1700000000000-0", # in the dead-letter stream
+        "at_ms": 1700000000000,  # when it was dead-lettered
+        "original_id": "1699999990000-0",
+        "deliveries": 3,
+        "reason": "max_deliveries",
+        "task": "app.tasks.send" | null,  # null: the message did not parse
+        "task_id": "..." | null,
+        "arguments": "1, 'a', key='v'" | null
+      }],
+      "next_before": "1700000000000-0" | null  # ?before= for the next page
+    }
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from taskiq_atomic_claim.admin.dead_letters import DeadLetter
 from taskiq_atomic_claim.admin.inspection import Inspection, KeyView
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.server_info import ServerInfo
 
 FORMAT = 1
@@ -129,6 +155,7 @@ def inspection_to_json(
                         "oldest_pending_idle_ms": group.oldest_pending_idle_ms,
                         "pel_scanned": group.pel_scanned,
                         "pel_scan_complete": group.pel_scan_complete,
+                        "consumer_count": group.consumer_count,
                         "consumers": [
                             {
                                 "name": consumer.name,
@@ -152,4 +179,36 @@ def inspection_to_json(
             }
             for stream in inspection.streams
         ],
+    }
+
+
+def dead_letter_page_to_json(
+    keys: StreamKeys, found: list[DeadLetter], count: int, total: int
+) -> dict[str, Any]:
+    """One page (module docstring): the first ``count`` of ``found``, which
+    holds one more when another page follows."""
+    letters = []
+    for letter in found[:count]:
+        task = letter.task()
+        letters.append(
+            {
+                "id": letter.id,
+                "at_ms": int(letter.id.partition("-")[0]),
+                "original_id": letter.original_id,
+                "deliveries": letter.deliveries,
+                "reason": letter.reason,
+                "task": None if task is None else task.name,
+                "task_id": None if task is None else task.task_id,
+                "arguments": None if task is None else task.arguments,
+            }
+        )
+    more = len(found) > count and letters
+    return {
+        "format": FORMAT,
+        "stream": keys.stream,
+        "group": keys.group,
+        "key": keys.dead_letters,
+        "count": total,
+        "letters": letters,
+        "next_before": letters[-1]["id"] if more else None,
     }

@@ -51,6 +51,12 @@ def add_parser(commands: Any) -> None:
         help="for a broker with delete_acked=True: also XACKDEL (Redis >= 8.2)",
     )
     acl.add_argument(
+        "--gauges",
+        action="store_true",
+        help="for a worker with the ServerGauges middleware: also XLEN and"
+        " XINFO CONSUMERS",
+    )
+    acl.add_argument(
         "--no-reload",
         action="store_true",
         help="leave out FUNCTION LOAD / SCRIPT LOAD: run `load` after every"
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             not args.no_reload,
             args.result_backend_prefix,
             args.delete_acked,
+            args.gauges,
         )
     )
 
@@ -97,6 +104,7 @@ async def _acl(
     reload: bool,
     result_backend_prefix: str | None = None,
     delete_acked: bool = False,
+    gauges: bool = False,
 ) -> int:
     if options is not None:
         async with connected(options) as client:
@@ -127,6 +135,7 @@ async def _acl(
             reload=reload,
             result_backend_prefix=result_backend_prefix,
             delete_acked=delete_acked,
+            gauges=gauges,
         )
     except ValueError as error:
         raise CommandError(str(error)) from None

@@ -9,11 +9,19 @@ from collections.abc import Sequence
 from redis.exceptions import MovedError, RedisError
 
 from taskiq_atomic_claim import __version__
-from taskiq_atomic_claim.cli import acl, dead_letters, doctor, drill, inspect, load
+from taskiq_atomic_claim.cli import (
+    acl,
+    dead_letters,
+    doctor,
+    drill,
+    inspect,
+    load,
+    serve,
+)
 from taskiq_atomic_claim.cli.arguments import PROG, CommandError, Parser
 
 # In the order --help lists them.
-COMMANDS = (load, inspect, doctor, acl, dead_letters, drill)
+COMMANDS = (load, inspect, serve, doctor, acl, dead_letters, drill)
 
 
 def build_parser() -> argparse.ArgumentParser:

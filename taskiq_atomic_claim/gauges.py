@@ -1,0 +1,266 @@
+"""Gauges of what the server holds per (stream, consumer group), for alerting.
+
+The same numbers as ``taskiq-atomic-claim serve`` shows: stream length,
+lag, pending entries, oldest pending age, consumers, how long since any
+consumer last read, dead letters. A worker exports them with the
+``ServerGauges`` middleware into the registry taskiq's
+``PrometheusMiddleware`` serves; ``serve`` exports them at ``/metrics``.
+
+They are read on an interval, not per scrape, and every series exists at 0
+from the start: an alert can tell "0" from "absent". Without
+``prometheus_client`` the middleware refuses at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+from taskiq import TaskiqMiddleware
+
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
+
+# One XPENDING call per group: idle times come from at most this many entries.
+PEL_SCAN_LIMIT = 1000
+
+GAUGES = {
+    "stream_length": "Entries in the stream (XLEN)",
+    "lag": "Entries the group has not been delivered yet (NaN where the server"
+    " cannot say: Redis < 7, or after deletions)",
+    "pending": "Entries delivered to the group and not acked (its PEL)",
+    "oldest_pending_age_seconds": "Idle time of the longest-idle pending entry"
+    f" among the first {PEL_SCAN_LIMIT} of the PEL (0 when none is pending)",
+    "consumers": "Consumers registered in the group, dead ones included",
+    "last_read_age_seconds": "Seconds since the most recently active consumer"
+    " of the group talked to the server (+Inf without consumers)",
+    "dead_letters": "Entries in the group's dead-letter stream",
+}
+PREFIX = "taskiq_atomic_claim_"
+DEFAULT_INTERVAL = 15.0
+# Reading takes at most this share of the time: XINFO CONSUMERS of thousands
+# of consumers takes redis-py's parser about a second (5000 in 0.9-1.3 s on
+# a shared 2-core machine, redis-py 8.1, 2026-12-03), and a reader should
+# not spend its life on it.
+MAX_READ_SHARE = 0.2
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+
+@dataclass(frozen=True)
+class GroupGauges:
+    """One reading of a (stream, group); None: unknown or absent."""
+
+    length: int
+    lag: int | None
+    pending: int
+    oldest_pending_idle_ms: int | None
+    consumers: int
+    last_read_idle_ms: int | None
+    dead_letters: int
+
+    def values(self) -> dict[str, float]:
+        """Gauge name to value, in the units the names say."""
+        return {
+            "stream_length": self.length,
+            "lag": math.nan if self.lag is None else self.lag,
+            "pending": self.pending,
+            "oldest_pending_age_seconds": (self.oldest_pending_idle_ms or 0) / 1000,
+            "consumers": self.consumers,
+            "last_read_age_seconds": (
+                math.inf
+                if self.last_read_idle_ms is None
+                else self.last_read_idle_ms / 1000
+            ),
+            "dead_letters": self.dead_letters,
+        }
+
+
+async def pending_idle_by_consumer(
+    client: Any, stream: str, group: str, pending: int
+) -> tuple[dict[str, int], int]:
+    """Per consumer, the idle ms of its longest-idle pending entry among the
+    first ``PEL_SCAN_LIMIT`` of the PEL; and how many entries were read."""
+    if not pending:
+        return {}, 0
+    scanned = await client.xpending_range(
+        stream, group, min="-", max="+", count=PEL_SCAN_LIMIT
+    )
+    oldest: dict[str, int] = {}
+    for entry in scanned:
+        name = text(entry["consumer"])
+        idle = int(entry["time_since_delivered"])
+        oldest[name] = max(idle, oldest.get(name, idle))
+    return oldest, len(scanned)
+
+
+async def read_group_gauges(client: Any, stream: str, group: str) -> GroupGauges:
+    """The gauges of one (stream, group), read from the server: a handful of
+    calls whatever the size of the stream (XINFO CONSUMERS lists every
+    consumer, the PEL is read up to ``PEL_SCAN_LIMIT``)."""
+    keys = StreamKeys(stream, group)
+    dead = int(await client.xlen(keys.dead_letters))
+    if text(await client.type(stream)) != "stream":
+        return GroupGauges(0, None, 0, None, 0, None, dead)
+    length = int(await client.xlen(stream))
+    infos = {text(raw["name"]): raw for raw in await client.xinfo_groups(stream)}
+    info = infos.get(group)
+    if info is None:
+        return GroupGauges(length, None, 0, None, 0, None, dead)
+    pending = int(info.get("pending", 0))
+    oldest, _ = await pending_idle_by_consumer(client, stream, group, pending)
+    idles = [int(c.get("idle", 0)) for c in await client.xinfo_consumers(stream, group)]
+    lag = info.get("lag")
+    return GroupGauges(
+        length=length,
+        lag=None if lag is None else int(lag),
+        pending=pending,
+        oldest_pending_idle_ms=max(oldest.values()) if oldest else None,
+        consumers=len(idles),
+        last_read_idle_ms=min(idles) if idles else None,
+        dead_letters=dead,
+    )
+
+
+def next_gap(interval: float, took: float) -> float:
+    """Seconds from the end of one reading to the next."""
+    return max(interval - took, took / MAX_READ_SHARE - took, 0.0)
+
+
+_families: dict[int, dict[str, Any]] = {}
+
+
+def prometheus_gauges(registry: Any = None) -> dict[str, Any]:
+    """The gauge families in ``registry`` (default: prometheus_client's),
+    created once per registry: registering a name twice is an error."""
+    from prometheus_client import REGISTRY, Gauge  # noqa: PLC0415
+
+    registry = REGISTRY if registry is None else registry
+    families = _families.get(id(registry))
+    if families is None:
+        families = {
+            # Every worker process reads the same numbers: under taskiq's
+            # multiprocess registry one series, the latest reading, not one
+            # per process.
+            name: Gauge(
+                PREFIX + name,
+                description,
+                ["stream", "group"],
+                registry=registry,
+                multiprocess_mode="livemostrecent",
+            )
+            for name, description in GAUGES.items()
+        }
+        _families[id(registry)] = families
+    return families
+
+
+def declare(families: dict[str, Any], stream: str, group: str) -> None:
+    """Make every series of (stream, group) exist, at 0 until first read."""
+    for family in families.values():
+        family.labels(stream=stream, group=group)
+
+
+def publish(
+    families: dict[str, Any], stream: str, group: str, gauges: GroupGauges
+) -> None:
+    for name, value in gauges.values().items():
+        families[name].labels(stream=stream, group=group).set(value)
+
+
+def forget(families: dict[str, Any], stream: str, group: str) -> None:
+    """Drop the series of a (stream, group) that no longer exists."""
+    for family in families.values():
+        with contextlib.suppress(KeyError):
+            family.remove(stream, group)
+
+
+class ServerGauges(TaskiqMiddleware):
+    """Exports the gauges of the broker's streams and group from a worker.
+
+    ``broker.add_middlewares(PrometheusMiddleware(), ServerGauges())``: the
+    worker reads the server every ``interval`` seconds and sets the gauges
+    in prometheus_client's default registry, which taskiq's
+    ``PrometheusMiddleware`` serves. Each worker process reads on its own:
+    a handful of calls per stream per interval, one of them XINFO CONSUMERS;
+    with thousands of consumers, prefer ``serve``'s ``/metrics`` (one reader).
+    """
+
+    def __init__(self, interval: float = DEFAULT_INTERVAL) -> None:
+        super().__init__()
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise TypeError(f"interval must be seconds (a number), got {interval!r}")
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise ImportError(
+                "ServerGauges needs prometheus_client: pip install prometheus-client"
+            )
+        # Made at startup: taskiq's PrometheusMiddleware picks the
+        # registry's (multiprocess) storage in its constructor.
+        self.families: dict[str, Any] = {}
+        self.interval = float(interval)
+        self._task: asyncio.Task[None] | None = None
+        self._problem: str | None = None  # why the last reading failed
+
+    def set_broker(self, broker: Any) -> None:
+        if not hasattr(broker, "streams") or not hasattr(broker, "_connection"):
+            raise TypeError(
+                "ServerGauges needs an atomic-claim broker"
+                f" (AtomicRedisStreamBroker and kin), got {type(broker).__name__}"
+            )
+        super().set_broker(broker)
+
+    @property
+    def _pairs(self) -> list[tuple[str, str]]:
+        group: str = self.broker.consumer_group_name  # type: ignore[attr-defined]
+        streams: list[str] = self.broker.streams  # type: ignore[attr-defined]
+        return [(stream, group) for stream in streams]
+
+    async def startup(self) -> None:
+        if not self.broker.is_worker_process:
+            return
+        self.families = prometheus_gauges()
+        for stream, group in self._pairs:
+            declare(self.families, stream, group)
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def refresh(self) -> None:
+        """Read every (stream, group) once and set the gauges."""
+        connection = self.broker._connection()  # type: ignore[attr-defined]
+        async with connection as client:
+            for stream, group in self._pairs:
+                gauges = await read_group_gauges(client, stream, group)
+                publish(self.families, stream, group, gauges)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.refresh()
+            except (RedisError, OSError) as error:
+                # The gauges keep their last values; the next round retries.
+                # One line when it starts failing, one when it reads again.
+                problem = f"{type(error).__name__}: {error}"
+                if problem != self._problem:
+                    logger.warning("server gauges not read: %s", problem)
+                self._problem = problem
+            else:
+                if self._problem is not None:
+                    logger.warning("server gauges read again")
+                self._problem = None
+            await asyncio.sleep(next_gap(self.interval, time.monotonic() - started))

@@ -1,0 +1,336 @@
+"""The live page of one server, as an ASGI app (Starlette).
+
+``create_app(client)`` is what ``taskiq-atomic-claim serve`` runs under
+uvicorn, and what a FastAPI or Starlette app can mount::
+
+    app.mount("/queues", create_app(Redis.from_url(URL)))
+
+Routes, relative to where it is mounted:
+
+- ``GET /``: the page; it polls ``api/state`` and redraws in place.
+- ``GET /api/state``: ``inspect --json``'s format (``inspection_json.py``)
+  plus a ``page`` object: ``{"refresh_s": 2.0, "read_at_ms": ...,
+  "changes": false}``.
+- ``GET /api/dead-letters?stream=S&group=G&before=ID&count=N``: one page
+  of dead letters, newest first (``dead_letter_page_to_json``).
+- ``POST /api/dead-letters/requeue`` and ``POST /api/dead-letters/delete``
+  with ``{"stream": S, "group": G, "ids": [...]}`` and the header
+  ``Authorization: Bearer TOKEN``: only when made with ``token``; never a GET.
+- ``GET /metrics``: the gauges of ``taskiq_atomic_claim.gauges``, from the
+  same reading as the page.
+
+Reads are bounded per refresh and shared: the server is read at most once
+per ``refresh_s`` whoever asks (page, JSON, scrape), and reading takes at
+most a fifth of the time (``gauges.next_gap``); discovery (a SCAN) runs
+once per ``discover_s``, and each group lists at most ``consumer_limit``
+consumers. No lifespan is needed, so it works mounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+)
+from starlette.routing import Route
+
+from taskiq_atomic_claim.admin.dead_letters import (
+    dead_letters_page,
+    delete_dead_letters,
+    requeue_dead_letters,
+)
+from taskiq_atomic_claim.admin.inspection import (
+    Inspection,
+    discover_streams,
+    inspect_server,
+)
+from taskiq_atomic_claim.admin.inspection_json import (
+    FORMAT,
+    dead_letter_page_to_json,
+    inspection_to_json,
+)
+from taskiq_atomic_claim.gauges import (
+    GroupGauges,
+    declare,
+    forget,
+    next_gap,
+    publish,
+)
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import require_name
+
+MAX_PAGE = 200
+MIN_TOKEN_CHARS = 16
+
+
+class Reader:
+    """The latest reading of the server, renewed when older than
+    ``refresh_s``; concurrent askers share one renewal."""
+
+    def __init__(
+        self,
+        client: Any,
+        streams: list[str] | None,
+        group: str | None,
+        refresh_s: float,
+        discover_s: float,
+        consumer_limit: int,
+        node: str | None,
+    ) -> None:
+        self.client = client
+        self.streams = streams
+        self.group = group
+        self.refresh_s = refresh_s
+        self.discover_s = discover_s
+        self.consumer_limit = consumer_limit
+        self.node = node
+        self.runner = ScriptRunner()
+        self._lock = asyncio.Lock()
+        self._next_read = -float("inf")
+        self._discovered_at = -float("inf")
+        self._found: tuple[list[str], bool] = ([], False)
+        self.inspection: Inspection | None = None
+        self.read_at_ms = 0
+        self._metrics: tuple[Any, dict[str, Any]] | None = None
+        self._published: set[tuple[str, str]] = set()
+
+    async def latest(self) -> Inspection:
+        async with self._lock:
+            now = time.monotonic()
+            if self.inspection is None or now >= self._next_read:
+                self.inspection = await self._read(now)
+                took = time.monotonic() - now
+                self._next_read = now + took + next_gap(self.refresh_s, took)
+                self.read_at_ms = int(time.time() * 1000)
+                self._publish(self.inspection)
+            return self.inspection
+
+    def expire(self) -> None:
+        """The next ask reads again (after a change made through the page)."""
+        self._next_read = -float("inf")
+
+    async def _read(self, now: float) -> Inspection:
+        streams = self.streams
+        if streams is None and now - self._discovered_at >= self.discover_s:
+            self._found = await discover_streams(self.client)
+            self._discovered_at = now
+        named = self.streams is not None
+        inspection = await inspect_server(
+            self.client,
+            streams if named else self._found[0],
+            self.group,
+            self.runner,
+            self.consumer_limit,
+        )
+        if named:
+            return inspection
+        if self.group is not None:  # discovered streams without it: not ours
+            kept = [v for v in inspection.streams if any(g.exists for g in v.groups)]
+            inspection = dataclasses.replace(inspection, streams=kept)
+        return dataclasses.replace(
+            inspection, discovered=True, truncated=self._found[1]
+        )
+
+    def metrics(self) -> tuple[Any, dict[str, Any]]:
+        """This app's own registry: mounted beside a worker's middleware, its
+        series must not clash with the default registry's."""
+        if self._metrics is None:
+            from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+            from taskiq_atomic_claim.gauges import prometheus_gauges  # noqa: PLC0415
+
+            registry = CollectorRegistry()
+            self._metrics = (registry, prometheus_gauges(registry))
+        return self._metrics
+
+    def _publish(self, inspection: Inspection) -> None:
+        _, families = self.metrics()
+        seen = set()
+        for stream in inspection.streams:
+            for group in stream.groups:
+                if not group.exists:
+                    continue
+                seen.add((stream.name, group.name))
+                declare(families, stream.name, group.name)
+                idles = [c.idle_ms for c in group.consumers]
+                gauges = GroupGauges(
+                    length=stream.length,
+                    lag=group.lag,
+                    pending=group.pending,
+                    oldest_pending_idle_ms=group.oldest_pending_idle_ms,
+                    consumers=group.consumer_count,
+                    last_read_idle_ms=min(idles) if idles else None,
+                    dead_letters=group.dead_letters,
+                )
+                publish(families, stream.name, group.name, gauges)
+        for stream_name, group_name in self._published - seen:
+            forget(families, stream_name, group_name)
+        self._published = seen
+
+
+def _keys(source: dict[str, Any] | Any) -> StreamKeys:
+    try:
+        stream = require_name("stream", source.get("stream"))
+        group = require_name("group", source.get("group"))
+    except (ValueError, TypeError) as error:
+        raise _BadRequestError(str(error)) from None
+    return StreamKeys(stream, group)
+
+
+class _BadRequestError(Exception):
+    pass
+
+
+class _Routes:
+    """The handlers of one app, over one ``Reader``."""
+
+    def __init__(self, reader: Reader, token: str | None) -> None:
+        self.reader = reader
+        self.client = reader.client
+        self.token = token
+        self.page = resources.files(__package__).joinpath("page.html").read_text()
+
+    async def index(self, request: Request) -> Response:
+        # The page's URLs are relative: mounted at /queues, it must be
+        # /queues/ for them to resolve under the mount.
+        if not request.url.path.endswith("/"):
+            return RedirectResponse(request.url.replace(path=request.url.path + "/"))
+        return HTMLResponse(self.page)
+
+    async def state(self, _: Request) -> Response:
+        reader = self.reader
+        body = inspection_to_json(await reader.latest(), node=reader.node)
+        body["page"] = {
+            "refresh_s": reader.refresh_s,
+            "read_at_ms": reader.read_at_ms,
+            "changes": self.token is not None,
+        }
+        return JSONResponse(body)
+
+    async def letters(self, request: Request) -> Response:
+        keys = _keys(request.query_params)
+        try:
+            count = int(request.query_params.get("count", "50"))
+        except ValueError:
+            raise _BadRequestError("count must be a whole number") from None
+        if not 1 <= count <= MAX_PAGE:
+            raise _BadRequestError(f"count must be 1..{MAX_PAGE}, got {count}")
+        before = request.query_params.get("before") or None
+        found = await dead_letters_page(self.client, keys, before, count + 1)
+        total = int(await self.client.xlen(keys.dead_letters))
+        return JSONResponse(dead_letter_page_to_json(keys, found, count, total))
+
+    async def change(self, request: Request) -> Response:
+        """Requeue or delete dead letters: POST only, with the token."""
+        if self.token is None:
+            return JSONResponse(
+                {"error": "read-only: serve was started without --allow-changes"},
+                status_code=403,
+            )
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return JSONResponse({"error": "wrong or missing token"}, status_code=401)
+        keys, ids = _change_request(await request.body())
+        if request.url.path.endswith("/requeue"):
+            runner = self.reader.runner
+            moved = await requeue_dead_letters(runner, self.client, keys, ids)
+            result: dict[str, Any] = {"requeued": [new for _, new in moved]}
+        else:
+            result = {"deleted": await delete_dead_letters(self.client, keys, ids)}
+        self.reader.expire()
+        return JSONResponse({"format": FORMAT, **result})
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import (  # noqa: PLC0415
+            CONTENT_TYPE_LATEST,
+            generate_latest,
+        )
+
+        await self.reader.latest()
+        registry = self.reader.metrics()[0]
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _change_request(raw: bytes) -> tuple[StreamKeys, list[str]]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise _BadRequestError("the body must be JSON") from None
+    if not isinstance(body, dict):
+        raise _BadRequestError("the body must be a JSON object")
+    keys = _keys(body)
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise _BadRequestError("ids must be a list of dead-letter ids")
+    if not ids:
+        raise _BadRequestError("ids is empty: name the dead letters")
+    return keys, ids
+
+
+async def _bad_request(_: Request, error: Exception) -> Response:
+    return JSONResponse({"error": str(error)}, status_code=400)
+
+
+async def _unreachable(_: Request, error: Exception) -> Response:
+    """The server could not be read: the page says so and polls on."""
+    message = f"{type(error).__name__}: {error}"
+    return JSONResponse({"error": message}, status_code=503)
+
+
+def create_app(
+    client: Any,
+    *,
+    streams: list[str] | None = None,
+    group: str | None = None,
+    refresh_s: float = 2.0,
+    discover_s: float = 60.0,
+    consumer_limit: int = 200,
+    token: str | None = None,
+    node: str | None = None,
+) -> Starlette:
+    """The page of the server ``client`` reaches (a redis.asyncio client).
+
+    Read-only unless ``token`` is given: then requeue and delete of dead
+    letters are allowed to POSTs that carry it (``Authorization: Bearer``).
+    """
+    if not refresh_s > 0 or not discover_s > 0:
+        raise ValueError(
+            f"refresh_s and discover_s must be > 0, got {refresh_s}, {discover_s}"
+        )
+    if consumer_limit < 1:
+        raise ValueError(f"consumer_limit must be >= 1, got {consumer_limit}")
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"token must have at least {MIN_TOKEN_CHARS} characters")
+    reader = Reader(client, streams, group, refresh_s, discover_s, consumer_limit, node)
+    routes = _Routes(reader, token)
+    app = Starlette(
+        routes=[
+            Route("/", routes.index),
+            Route("/api/state", routes.state),
+            Route("/api/dead-letters", routes.letters),
+            Route("/api/dead-letters/requeue", routes.change, methods=["POST"]),
+            Route("/api/dead-letters/delete", routes.change, methods=["POST"]),
+            Route("/metrics", routes.metrics),
+        ],
+        exception_handlers={
+            _BadRequestError: _bad_request,
+            RedisError: _unreachable,
+            OSError: _unreachable,
+        },
+    )
+    app.state.reader = reader
+    return app

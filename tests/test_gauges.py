@@ -1,0 +1,150 @@
+"""Server gauges: every series exists at 0 from a worker's start and moves
+under a real workload, served by taskiq's PrometheusMiddleware from a real
+``taskiq worker`` process."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.acl import worker_acl_rule
+from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges, next_gap
+from taskiq_atomic_claim.harness.drill import Worker
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import COUNTERS
+from tests.conftest import Server, acl_log_entries, server_command, with_user
+from tests.test_oom import until
+
+GROUP = "taskiq"
+USER = "tac-gauges-worker"
+PASSWORD = "tac-gauges-worker-password"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """(sample name, stream) to value; {} while nothing answers yet."""
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            body = reply.read().decode()
+    except OSError:
+        return {}
+    return {
+        (sample.name, sample.labels.get("stream", "")): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name.startswith(PREFIX)
+    }
+
+
+async def scraped(
+    port: int, check: Callable[[dict[tuple[str, str], float]], bool]
+) -> dict[tuple[str, str], float]:
+    """The first scrape passing ``check`` within 60 s; {} if none did."""
+    found: dict[tuple[str, str], float] = {}
+
+    def passes() -> bool:
+        found.update(scrape(port))
+        return check(found)
+
+    return found if await until(passes, 60) else {}
+
+
+@pytest.fixture
+async def queue(redis: Redis) -> AsyncIterator[str]:
+    name = f"taskiq-atomic-claim-gauges-{uuid.uuid4().hex[:8]}"
+    yield name
+    await redis.delete(name, StreamKeys(name, GROUP).dead_letters)
+
+
+def test_reading_takes_at_most_a_fifth_of_the_time() -> None:
+    assert next_gap(15.0, 1.0) == 14.0  # the interval, end to end
+    assert next_gap(2.0, 1.0) == 4.0  # a slow read spaces the next one out
+    assert next_gap(2.0, 0.0) == 2.0
+
+
+def test_bad_interval_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="interval must be > 0"):
+        ServerGauges(interval=0)
+    with pytest.raises(TypeError, match="interval must be seconds"):
+        ServerGauges(interval="15")  # type: ignore[arg-type]
+
+
+async def test_a_worker_exports_every_gauge_at_zero_then_they_move(
+    server: Server, redis: Redis, queue: str, tmp_path: Path
+) -> None:
+    # The worker logs in with the documented rule for a worker with gauges.
+    version = str((await redis.info("server"))["redis_version"])
+    rule = worker_acl_rule([queue], GROUP, version, gauges=True)
+    await server_command(
+        redis, "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}", *rule
+    )
+    await server_command(redis, "ACL", "LOG", "RESET")
+    port = free_port()
+    env = {
+        **os.environ,
+        "TAC_TEST_URL": with_user(server.admin_url, USER, PASSWORD),
+        "TAC_TEST_QUEUE": queue,
+        "TAC_TEST_METRICS_DIR": str(tmp_path / "metrics"),
+        "TAC_TEST_METRICS_PORT": str(port),
+    }
+    worker = Worker(env, tmp_path / "worker.log", app="tests.gauges_app:broker")
+    kicker = AtomicRedisStreamBroker(server.url, queue_name=queue)
+    try:
+        idle = await scraped(
+            port,
+            lambda s: (
+                (PREFIX + "dead_letters", queue) in s
+                and (PREFIX + "claimed_total", queue) in s
+            ),
+        )
+        assert idle, (tmp_path / "worker.log").read_text(errors="replace")
+        for name in GAUGES:
+            assert (PREFIX + name, queue) in idle, name
+        for name in COUNTERS:
+            stream = "*" if name == "script_reloads" else queue
+            assert idle[(f"{PREFIX}{name}_total", stream)] == 0, name
+        assert idle[(PREFIX + "pending", queue)] == 0
+        assert idle[(PREFIX + "dead_letters", queue)] == 0
+        assert idle[(PREFIX + "oldest_pending_age_seconds", queue)] == 0
+
+        hold = kicker.register_task(lambda seconds: None, "tests.gauges_app.hold")
+        for _ in range(3):
+            await hold.kiq(4.0)
+        await redis.xadd(StreamKeys(queue, GROUP).dead_letters, {"data": b"{}"})
+        busy = await scraped(
+            port,
+            lambda s: (
+                s.get((PREFIX + "pending", queue)) == 3
+                and s.get((PREFIX + "dead_letters", queue)) == 1
+            ),
+        )
+        assert busy, scrape(port)
+        assert busy[(PREFIX + "consumers", queue)] == 1
+        assert busy[(PREFIX + "last_read_age_seconds", queue)] < 5
+        assert busy[(PREFIX + "stream_length", queue)] == 3
+        assert busy[(PREFIX + "oldest_pending_age_seconds", queue)] > 0
+        lag = busy[(PREFIX + "lag", queue)]
+        assert lag == 0 or (server.major < 7 and math.isnan(lag))
+    finally:
+        worker.stop()
+        await kicker.shutdown()
+        log = acl_log_entries(await server_command(redis, "ACL", "LOG"))
+        await server_command(redis, "ACL", "DELUSER", USER)
+    assert [entry for entry in log if entry["username"] == USER] == []

@@ -1,0 +1,363 @@
+"""``taskiq-atomic-claim serve`` as a real process against a real server: the
+page in a real headless Chromium (Debian's ``chromium``, driven by
+Playwright), its JSON, its gauges and its guarded changes.
+
+Without a browser the browser test skips, saying why; under CI=true it
+fails instead (.ci/run installs one). It writes docs/serve.png, the
+README's screenshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.cli.main import main
+from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
+from tests.conftest import Server
+from tests.test_gauges import free_port
+from tests.test_oom import until
+
+GROUP = "taskiq"
+TOKEN = "a-token-of-the-operators-own"
+SCREENSHOT = Path(__file__).parent.parent / "docs" / "serve.png"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TASK = "reports.send_weekly"
+
+
+def chromium_or_skip() -> str:
+    """Debian's chromium, or skip saying why (fail under CI, which has it)."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    problem = None
+    if path is None:
+        problem = "no chromium on PATH (apt-get install chromium)"
+    else:
+        try:
+            import playwright.async_api  # noqa: F401, PLC0415
+        except ImportError:
+            problem = "playwright is not installed (the test extra)"
+    if problem is None:
+        assert path is not None
+        return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"browser test needs a browser in CI: {problem}")
+    pytest.skip(problem)
+
+
+@dataclass
+class Serve:
+    base: str
+    # None: not a serve process (an app mounted in this one).
+    process: subprocess.Popen[bytes] | None = None
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.base + path, timeout=10) as reply:
+            return str(reply.read().decode())
+
+    def get(self, path: str) -> Any:
+        body = self.get_text(path)
+        return body if path == "/metrics" else json.loads(body)
+
+    def post(self, path: str, body: Any, token: str | None = TOKEN) -> int:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        request = urllib.request.Request(
+            self.base + path, json.dumps(body).encode(), headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+
+
+def start_serve(url: str, *extra: str, token: str | None = None) -> Serve:
+    port = free_port()
+    env = {**os.environ}
+    if token is not None:
+        env["TASKIQ_ATOMIC_CLAIM_TOKEN"] = token
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taskiq_atomic_claim.cli", "serve", "--url", url,
+         "--port", str(port), "--refresh", "0.3", *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    return Serve(f"http://127.0.0.1:{port}", process)
+
+
+async def ready(serve: Serve) -> None:
+    assert serve.process is not None
+
+    def answers() -> bool:
+        try:
+            serve.get("/api/state")
+        except OSError:
+            assert serve.process is not None
+            return serve.process.poll() is not None  # died: stop waiting
+        return True
+
+    assert await until(answers, 30)
+    if serve.process.poll() is not None:
+        assert serve.process.stderr is not None
+        pytest.fail(serve.process.stderr.read().decode(errors="replace"))
+
+
+def stop(serve: Serve) -> None:
+    assert serve.process is not None
+    serve.process.terminate()
+    try:
+        serve.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        serve.process.kill()
+        serve.process.wait(timeout=10)
+
+
+@pytest.fixture
+async def queue(redis: Redis, server: Server) -> AsyncIterator[str]:
+    """5 tasks kicked; a consumer that died holding 3 of them, 2 of them
+    dead-lettered by the worker's own script; a live consumer holding none."""
+    name = f"reports-{uuid.uuid4().hex[:6]}"
+    keys = StreamKeys(name, GROUP)
+    await redis.xgroup_create(name, GROUP, id="0", mkstream=True)
+    broker = AtomicRedisStreamBroker(server.admin_url, queue_name=name)
+    task = broker.register_task(lambda *a, **k: None, TASK)
+    for week in range(5):
+        await task.kiq(week, team="ops")
+    await broker.shutdown()
+    ids = [text(entry_id) for entry_id, _ in await redis.xrange(name) or []]
+    await redis.xreadgroup(GROUP, "worker-dead", {name: ">"}, count=5)
+    runner = ScriptRunner()
+    for entry_id in ids[:2]:
+        await move_to_dead_letters(
+            runner,
+            redis,
+            keys,
+            entry_id,
+            "max_deliveries: started 3 times in workers that died",
+            delete_acked=False,
+            deliveries=3,
+        )
+    await redis.xgroup_createconsumer(name, GROUP, "worker-live")
+    yield name
+    await redis.delete(name, keys.dead_letters)
+
+
+@pytest.fixture
+async def serve(server: Server, queue: str) -> AsyncIterator[Serve]:
+    started = start_serve(
+        server.admin_url, "--queue", queue, "--allow-changes", token=TOKEN
+    )
+    try:
+        await ready(started)
+        yield started
+    finally:
+        stop(started)
+
+
+@pytest.fixture
+def chromium() -> Iterator[str]:
+    yield chromium_or_skip()
+
+
+async def test_the_page_shows_the_server_live_in_a_browser(
+    chromium: str, serve: Serve, redis: Redis, server: Server, queue: str
+) -> None:
+    from playwright.async_api import async_playwright, expect  # noqa: PLC0415
+
+    keys = StreamKeys(queue, GROUP)
+    async with async_playwright() as driver:
+        browser = await driver.chromium.launch(
+            executable_path=chromium, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = await browser.new_page(viewport={"width": 1100, "height": 760})
+            await page.goto(serve.base + "/")
+            group = page.locator(f'section.group[data-group="{GROUP}"]')
+            stream = page.locator(f'section.stream[data-stream="{queue}"]')
+            await expect(group.locator('[data-k="pending"]').first).to_have_text("3")
+            # The numbers on screen are the server's.
+            info = {g["name"].decode(): g for g in await redis.xinfo_groups(queue)}
+            length = await redis.xlen(queue)
+            shown = stream.locator('.numbers [data-k="length"]')
+            await expect(shown).to_have_text(str(length))
+            assert info[GROUP]["pending"] == 3
+            dead = await redis.xlen(keys.dead_letters)
+            await expect(group.locator('[data-k="dead"]')).to_have_text(str(dead))
+            consumers = group.locator("tr[data-consumer]")
+            await expect(consumers).to_have_count(2)
+            dead_row = group.locator('tr[data-consumer="worker-dead"]')
+            await expect(dead_row.locator('[data-k="pending"]')).to_have_text("3")
+            letters = group.locator("tr[data-letter]")
+            await expect(letters).to_have_count(2)
+            await expect(letters.first.locator('[data-k="task"]')).to_have_text(TASK)
+            await expect(letters.first.locator('[data-k="arguments"]')).to_contain_text(
+                "team='ops'"
+            )
+            await expect(letters.first.locator('[data-k="reason"]')).to_contain_text(
+                "max_deliveries"
+            )
+            if server.major >= 7:
+                await expect(group.locator('[data-k="lag"]')).to_have_text("0")
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            await page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+            # A task kicked: the page shows it without a reload.
+            kicker = AtomicRedisStreamBroker(server.admin_url, queue_name=queue)
+            await kicker.register_task(lambda *a, **k: None, TASK).kiq(9)
+            await kicker.shutdown()
+            await expect(shown).to_have_text(str(length + 1))
+            if server.major >= 7:
+                await expect(group.locator('[data-k="lag"]')).to_have_text("1")
+
+            # Requeue through the page, with the operator's token.
+            await page.fill("#token", TOKEN)
+            await letters.first.locator('button[data-action="requeue"]').click()
+            await expect(group.locator('[data-k="dead"]')).to_have_text(str(dead - 1))
+            await expect(shown).to_have_text(str(length + 2))
+            assert await redis.xlen(keys.dead_letters) == dead - 1
+        finally:
+            await browser.close()
+
+
+async def test_json_gauges_and_changes_are_guarded(
+    serve: Serve, redis: Redis, server: Server, queue: str
+) -> None:
+    keys = StreamKeys(queue, GROUP)
+    state = serve.get("/api/state")
+    assert state["format"] == 1 and state["page"]["changes"] is True
+    [stream] = state["streams"]
+    [group] = stream["groups"]
+    assert (stream["length"], group["pending"], group["consumer_count"]) == (5, 3, 2)
+    assert group["dead_letters"]["count"] == 2
+
+    # Gauges: the same numbers, one series per (stream, group).
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(serve.get("/metrics"))
+        for sample in family.samples
+        if sample.labels.get("stream") == queue
+    }
+    assert samples["taskiq_atomic_claim_stream_length"] == 5
+    assert samples["taskiq_atomic_claim_pending"] == 3
+    assert samples["taskiq_atomic_claim_dead_letters"] == 2
+    assert samples["taskiq_atomic_claim_consumers"] == 2
+
+    # Dead letters page newest first, one at a time.
+    first = serve.get(f"/api/dead-letters?stream={queue}&group={GROUP}&count=1")
+    assert first["count"] == 2 and len(first["letters"]) == 1
+    assert first["letters"][0]["task"] == TASK
+    older = serve.get(
+        f"/api/dead-letters?stream={queue}&group={GROUP}&count=1"
+        f"&before={first['next_before']}"
+    )
+    assert older["letters"][0]["id"] < first["letters"][0]["id"]
+    assert older["next_before"] is None
+
+    # Changes: POST with the token only; a GET never changes anything.
+    target = {"stream": queue, "group": GROUP, "ids": [first["letters"][0]["id"]]}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        serve.get("/api/dead-letters/delete")
+    assert refused.value.code == 405
+    assert serve.post("/api/dead-letters/delete", target, token=None) == 401
+    assert serve.post("/api/dead-letters/delete", target, token="x" * 30) == 401
+    assert serve.post("/api/dead-letters/delete", {**target, "ids": 1}) == 400
+    assert await redis.xlen(keys.dead_letters) == 2
+    assert serve.post("/api/dead-letters/delete", target) == 200
+    assert await redis.xlen(keys.dead_letters) == 1
+
+    # Thousands of consumers: the page lists a bounded number of them.
+    async with redis.pipeline(transaction=False) as pipe:
+        for n in range(2000):
+            pipe.xgroup_createconsumer(queue, GROUP, f"idle-{n:04d}")
+        await pipe.execute()
+    read_only = start_serve(server.admin_url, "--queue", queue, "--consumers", "50")
+    try:
+        await ready(read_only)
+        [busy] = read_only.get("/api/state")["streams"][0]["groups"]
+        assert busy["consumer_count"] == 2002
+        assert len(busy["consumers"]) == 50
+        assert "worker-dead" in [c["name"] for c in busy["consumers"]]
+        assert read_only.post("/api/dead-letters/delete", target) == 403
+    finally:
+        stop(read_only)
+
+
+def test_allow_changes_needs_a_token(
+    server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TASKIQ_ATOMIC_CLAIM_TOKEN", raising=False)
+    arguments = ["serve", "--url", server.admin_url, "--allow-changes"]
+    assert main(arguments) == 2
+    assert "TASKIQ_ATOMIC_CLAIM_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("TASKIQ_ATOMIC_CLAIM_TOKEN", "short")
+    assert main(arguments) == 2
+
+
+async def test_the_app_mounts_inside_another_starlette_app(
+    server: Server, redis: Redis, queue: str
+) -> None:
+    import uvicorn  # noqa: PLC0415
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.routing import Mount  # noqa: PLC0415
+
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    port = free_port()
+    nobody = Redis.from_url(f"redis://127.0.0.1:{free_port()}")
+    app = Starlette(
+        routes=[
+            Mount("/queues", create_app(redis, streams=[queue])),
+            Mount("/gone", create_app(nobody, streams=[queue])),
+        ]
+    )
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    task = asyncio.create_task(running.serve())
+    try:
+        assert await until(lambda: running.started, 30)
+        mounted = Serve(f"http://127.0.0.1:{port}/queues")
+        page = await asyncio.to_thread(mounted.get_text, "")  # redirected to /
+        assert "api/state" in page
+        state = await asyncio.to_thread(mounted.get, "/api/state")
+        assert state["streams"][0]["groups"][0]["pending"] == 3
+        assert state["page"]["changes"] is False
+        # A server that cannot be read: an answer saying why, not a crash.
+        gone = Serve(f"http://127.0.0.1:{port}/gone")
+        with pytest.raises(urllib.error.HTTPError) as unreadable:
+            await asyncio.to_thread(gone.get, "/api/state")
+        assert unreadable.value.code == 503
+        assert "ConnectionError" in json.loads(unreadable.value.read())["error"]
+    finally:
+        running.should_exit = True
+        await task
+        await nobody.aclose()
