@@ -9,6 +9,7 @@ check_stack()
 
 from taskiq_atomic_claim.broker import AtomicRedisStreamBroker  # noqa: E402
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker  # noqa: E402
+from taskiq_atomic_claim.dead_letter_results import DeadLettered  # noqa: E402
 from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker  # noqa: E402
 
 try:
@@ -20,5 +21,6 @@ __all__ = [
     "AtomicRedisStreamBroker",
     "AtomicRedisStreamClusterBroker",
     "AtomicRedisStreamSentinelBroker",
+    "DeadLettered",
     "__version__",
 ]

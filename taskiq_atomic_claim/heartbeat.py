@@ -118,6 +118,8 @@ class Heartbeating:
         they would wait out idle_timeout in the PEL.
         """
         await self.stop_heartbeat()
+        # Before the result backend closes: each write is bounded.
+        await self.in_flight.dead_lettering.results.flush()
         held = len(self.in_flight)
         if not held:
             return 0

@@ -10,6 +10,7 @@ from taskiq import TaskiqMessage
 from taskiq.formatters.json_formatter import JSONFormatter
 from taskiq.message import BrokerMessage
 from taskiq.utils import maybe_awaitable
+from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import (
@@ -19,6 +20,7 @@ from taskiq_atomic_claim.admin.dead_letters import (
 )
 from taskiq_atomic_claim.admin.inspection import text
 from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letter_results import DeadLettered
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import START
@@ -223,3 +225,44 @@ async def test_requeue_by_task_name_moves_only_that_task(
     none_left = cli("requeue", *where, "--task", "app:a")
     assert none_left.returncode == 1
     assert "no dead letters of task 'app:a'" in none_left.stdout
+
+
+async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
+    server: Server, redis: Redis
+) -> None:
+    # A victim started the task and died; the claimer's reclaim (the claim
+    # script, or the read itself on Redis >= 8.4) dead-letters it.
+    results: RedisAsyncResultBackend[Any] = RedisAsyncResultBackend(
+        server.admin_url, result_ex_time=60
+    )
+    keys = StreamKeys("taskiq", "taskiq")
+    await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
+    poison = text(await redis.xadd("taskiq", {"data": call("app:crash", "crash-1")}))
+    await redis.xreadgroup("taskiq", "victim", {"taskiq": ">"})
+    await ScriptRunner().call(redis, START, [keys.started], [60_000, poison])
+    claimer = AtomicRedisStreamBroker(
+        server.url,
+        consumer_name="claimer",
+        idle_timeout=200,
+        claim_interval=100,
+        xread_block=100,
+        max_deliveries=1,
+    ).with_result_backend(results)
+    await claimer.startup()
+    listening = asyncio.create_task(anext(claimer.listen()))
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await results.is_result_ready("crash-1"):
+            assert asyncio.get_running_loop().time() < deadline, "no result stored"
+            assert not listening.done(), "the poison was delivered"
+            await asyncio.sleep(0.05)
+        result = await results.get_result("crash-1")
+        assert result.is_err
+        assert isinstance(result.error, DeadLettered), result.error
+        assert result.error.reason == "max_deliveries exceeded"
+        assert (result.error.stream, result.error.entry_id) == ("taskiq", poison)
+        [dead] = await list_dead_letters(redis, keys)
+        assert dead.original_id == poison
+    finally:
+        listening.cancel()
+        await claimer.shutdown()
