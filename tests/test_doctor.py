@@ -152,7 +152,7 @@ async def test_what_needs_a_person_stays_non_zero_after_fix(
     assert result.returncode == 1
     out = result.stdout
     assert "[pel-size] jobs / workers: 3 pending entries (threshold 2)" in out
-    assert "[stale-pending] jobs / workers" in out
+    assert "[stale-pending] jobs / workers: an entry held by consumer 'slow'" in out
     assert "[dead-letters] jobs / workers: 1 dead letter in" in out
     assert "dead-letters --url URL --queue=jobs --group=workers" in out
     assert "[no-group] orphan" in out
