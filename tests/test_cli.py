@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 from redis.asyncio import Redis
@@ -19,13 +22,18 @@ from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptR
 from tests.conftest import Server, server_command
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, redis_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it; with ``REDIS_URL`` only if given."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    if redis_url is not None:
+        env["REDIS_URL"] = redis_url
     return subprocess.run(
         [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
 
 
@@ -101,6 +109,21 @@ def test_missing_url_is_a_usage_error() -> None:
     result = cli("load")
     assert result.returncode == 2
     assert "--url" in result.stderr
+    assert "REDIS_URL" in result.stderr
+
+
+async def test_url_falls_back_to_redis_url(server: Server) -> None:
+    # Credentials stay off command lines (and out of ps).
+    result = cli("inspect", "--json", redis_url=server.admin_url)
+    assert result.returncode == 0, result.stderr
+    assert (
+        json.loads(result.stdout)["node"]
+        == urlsplit(server.admin_url).netloc.rpartition("@")[2]
+    )
+    named = cli(
+        "inspect", "--json", "--url", "redis://127.0.0.1:1", redis_url=server.admin_url
+    )
+    assert named.returncode == 2, "--url wins over REDIS_URL"
 
 
 async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) -> None:

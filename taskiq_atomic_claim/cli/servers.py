@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,12 +46,13 @@ class ConnectionOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConnectionOptions:
-        url = args.url
+        # From the environment, a password stays off command lines (and ps).
+        url = args.url or os.environ.get("REDIS_URL") or None
         if url is None:
             if not args.sentinel:
                 raise CommandError(
-                    "--url is required (for Sentinel: --sentinel HOST:PORT"
-                    " --master NAME)"
+                    "--url (or REDIS_URL) is required (for Sentinel: --sentinel"
+                    " HOST:PORT --master NAME)"
                 )
             url = "redis://"  # the sentinels name the master's host and port
         return cls(
@@ -80,8 +82,9 @@ class Target:
 def add_server_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--url",
-        help="redis://, rediss:// (TLS) or unix:// URL; with --cluster any node;"
-        " with --sentinel optional, its scheme and credentials reach the master",
+        help="redis://, rediss:// (TLS) or unix:// URL (default: $REDIS_URL);"
+        " with --cluster any node; with --sentinel optional, its scheme and"
+        " credentials reach the master",
     )
     tls = command.add_argument_group("TLS (rediss:// URLs)")
     tls.add_argument("--tls-ca-cert", help="CA certificate file to verify the server")
