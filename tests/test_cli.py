@@ -13,10 +13,15 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
+import redis as sync_redis
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.inspection import text
-from taskiq_atomic_claim.harness.embedded_server import free_port
+from taskiq_atomic_claim.harness.embedded_server import (
+    LocalServer,
+    default_binary,
+    free_port,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
 from tests.conftest import Server, server_command
@@ -110,6 +115,34 @@ def test_missing_url_is_a_usage_error() -> None:
     assert result.returncode == 2
     assert "--url" in result.stderr
     assert "REDIS_URL" in result.stderr
+
+
+@contextlib.contextmanager
+def password_protected() -> Iterator[int]:
+    """The port of a server of its own whose default user needs a password."""
+    with LocalServer(default_binary()) as local:
+        with sync_redis.Redis(port=local.port) as admin:
+            admin.config_set("requirepass", "s3cret")
+        yield local.port
+
+
+def test_a_missing_password_is_one_line_saying_so() -> None:
+    # Without one the server's own text is about HELLO (RESP3) or a
+    # username-password pair.
+    with password_protected() as port:
+        for command, url in [
+            ("inspect", f"redis://127.0.0.1:{port}"),
+            ("dead-letters", f"redis://default@127.0.0.1:{port}"),
+        ]:
+            result = cli(command, "--url", url)
+            assert result.returncode == 2, result.stdout + result.stderr
+            assert result.stderr.count("\n") == 1, result.stderr
+            assert f"127.0.0.1:{port} requires a password" in result.stderr
+        wrong = cli("inspect", "--url", f"redis://:wrong@127.0.0.1:{port}")
+        assert wrong.returncode == 2
+        assert "refused the URL's username and password" in wrong.stderr
+        right = cli("inspect", redis_url=f"redis://:s3cret@127.0.0.1:{port}")
+        assert right.returncode == 0, right.stderr
 
 
 async def test_url_falls_back_to_redis_url(server: Server) -> None:

@@ -20,7 +20,12 @@ from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+)
 
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.keys import StreamKeys
@@ -164,8 +169,24 @@ async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
     """``connect``, then make sure the peer is a Redis or Valkey server: the
     replies of anything else would fail somewhere deep in a parser."""
     async with connect(options) as client:
-        await _require_redis(client, _address(options.url))
+        try:
+            await _require_redis(client, _address(options.url))
+        except AuthenticationError as error:
+            raise CommandError(_refused_login(options.url, error)) from None
         yield client
+
+
+def _refused_login(url: str, error: AuthenticationError) -> str:
+    """One line for a refused login, instead of the server's text about
+    HELLO or a username-password pair."""
+    where = _address(url)
+    if urlsplit(url).password is None:
+        return (
+            f"{where} requires a password, and the URL has none: give it as"
+            " redis://USER:PASSWORD@HOST:PORT, in REDIS_URL to keep it off the"
+            " command line"
+        )
+    return f"{where} refused the URL's username and password: {error}"
 
 
 def _address(url: str) -> str:
