@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from redis.asyncio import Redis
@@ -266,3 +267,53 @@ async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
     finally:
         listening.cancel()
         await claimer.shutdown()
+
+
+async def test_dead_letters_of_every_queue_as_text_and_paged_json(
+    server: Server, redis: Redis
+) -> None:
+    # Without --queue it read queue "taskiq" only and printed "0 dead letters"
+    # while another queue held some.
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    ids = [await dead_letter(redis, call("app:a", f"a-{n}")) for n in range(3)]
+    other = StreamKeys("other", "g2")
+    await redis.xadd(
+        other.dead_letters,
+        {"data": b"x", "dead_letter_stream": "other", "dead_letter_group": "g2"},
+    )
+    listed = cli("dead-letters", "--url", server.admin_url)
+    assert listed.returncode == 0, listed.stderr
+    out = listed.stdout
+    assert (
+        f"3 dead letters in {KEYS.dead_letters} (queue 'jobs', group 'workers')" in out
+    )
+    assert f"1 dead letters in {other.dead_letters} (queue 'other', group 'g2')" in out
+    everything = json.loads(
+        cli("dead-letters", "--url", server.admin_url, "--json").stdout
+    )
+    assert everything["format"] == 1
+    assert everything["discovered"] is True
+    assert [(q["stream"], q["group"], q["count"]) for q in everything["queues"]] == [
+        ("jobs", "workers", 3),
+        ("other", "g2", 1),
+    ]
+    where = ("--url", server.admin_url, "--queue", STREAM, "--group", GROUP)
+    seen: list[str] = []
+    after: list[str] = []
+    for _ in range(3):
+        paged = cli("dead-letters", *where, "--json", "--count", "2", *after)
+        assert paged.returncode == 0, paged.stderr
+        [queue] = json.loads(paged.stdout)["queues"]
+        seen += [entry["original_id"] for entry in queue["entries"]]
+        if queue["next_after"] is None:
+            break
+        after = ["--after", queue["next_after"]]
+    assert seen == ids
+    assert queue["entries"][0]["task"] == {
+        "name": "app:a",
+        "task_id": "a-2",
+        "arguments": "",
+    }
+    alone = cli("dead-letters", "--url", server.admin_url, "--after", "1-0")
+    assert alone.returncode == 2
+    assert "--after pages through one queue" in alone.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -158,6 +159,17 @@ async def test_what_needs_a_person_stays_non_zero_after_fix(
     assert "[no-group] orphan" in out
     assert out.count("what to do:") == 4
     assert "4 need attention:" in out
+    as_json = cli(
+        "doctor", "--url", server.url, "--json", "--max-pending", "2",
+        "--stale-pending-ms", "10",
+    )  # fmt: skip
+    assert as_json.returncode == 1
+    report = json.loads(as_json.stdout)
+    assert (report["format"], report["healthy"]) == (1, False)
+    by_kind = {finding["kind"]: finding for finding in report["findings"]}
+    assert sorted(by_kind) == ["dead-letters", "no-group", "pel-size", "stale-pending"]
+    assert by_kind["stale-pending"]["consumer"] == "slow"
+    assert "dead-letters --url URL --queue=jobs" in by_kind["dead-letters"]["advice"]
 
 
 async def test_named_streams_and_groups_that_do_not_exist(

@@ -31,13 +31,19 @@ class Misplaced:
     sampled: int
 
 
-def home(fields: dict[Any, Any]) -> str | None:
-    """The dead-letter key of the pair an entry records; None if it records none."""
+def recorded_pair(fields: dict[Any, Any]) -> StreamKeys | None:
+    """The stream and group a dead letter records; None if it records none."""
     stream = fields.get(b"dead_letter_stream")
     group = fields.get(b"dead_letter_group")
     if stream is None or group is None:
         return None
-    return StreamKeys(text(stream), text(group)).dead_letters
+    return StreamKeys(text(stream), text(group))
+
+
+def home(fields: dict[Any, Any]) -> str | None:
+    """The dead-letter key of the pair an entry records; None if it records none."""
+    pair = recorded_pair(fields)
+    return None if pair is None else pair.dead_letters
 
 
 def _elsewhere(key: str, entries: list[Any]) -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from redis.exceptions import (
     RedisError,
 )
 
+from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.keys import StreamKeys
 
@@ -352,6 +354,31 @@ async def on_each_target(
     if len(targets) > 1 and done is not None:
         print(f"{succeeded}/{len(targets)} primaries {done}")
     return 0 if succeeded == len(targets) else 1
+
+
+async def print_json(
+    args: argparse.Namespace,
+    targets: list[Target],
+    report: Callable[[Any, Target], Awaitable[tuple[dict[str, Any], bool]]],
+) -> int:
+    """Print each target's JSON ``report`` (and whether it was fine) in the
+    versioned envelope (admin/inspection_json.py): the object itself, or
+    with --cluster one per primary under "nodes". The shape follows the
+    options, not the count of nodes."""
+    reports: list[dict[str, Any]] = []
+
+    async def one(client: Any, target: Target) -> bool:
+        payload, fine = await report(client, target)
+        reports.append(payload)
+        return fine
+
+    def failed(target: Target, message: str) -> None:
+        reports.append({"node": target.where, "error": message})
+
+    code = await on_each_target(targets, one, None, failed)
+    payload = {"format": FORMAT, "nodes": reports} if args.cluster else reports[0]
+    print(json.dumps(payload, indent=2))
+    return code
 
 
 def reach(args: argparse.Namespace) -> str:
