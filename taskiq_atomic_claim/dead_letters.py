@@ -119,10 +119,10 @@ class DeadLettering:
                 keys.stream, entry_id, data.get(entry_id), MAX_DELIVERIES_EXCEEDED
             )
         logger.error(
-            "%d entries of stream %r moved to dead letters %r: %s: %s",
+            "%d entries of stream %r whose tasks crashed max_deliveries workers"
+            " moved to dead letters %r: %s",
             len(ids),
             keys.stream,
             keys.dead_letters,
-            MAX_DELIVERIES_EXCEEDED,
             ", ".join(ids),
         )

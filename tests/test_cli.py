@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ import redis as sync_redis
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.inspection import text
+from taskiq_atomic_claim.cli import main
 from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     default_binary,
@@ -25,6 +27,16 @@ from taskiq_atomic_claim.harness.embedded_server import (
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
 from tests.conftest import Server, server_command
+
+
+async def cli_in_process(
+    capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """``main`` in this process (a thread: it runs its own event loop), for
+    tests that run many commands: exit code, stdout, stderr."""
+    code = await asyncio.to_thread(main, list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def cli(*args: str, redis_url: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -145,18 +157,19 @@ def test_a_missing_password_is_one_line_saying_so() -> None:
         assert right.returncode == 0, right.stderr
 
 
-async def test_url_falls_back_to_redis_url(server: Server) -> None:
+async def test_url_falls_back_to_redis_url(
+    server: Server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Credentials stay off command lines (and out of ps).
-    result = cli("inspect", "--json", redis_url=server.admin_url)
-    assert result.returncode == 0, result.stderr
-    assert (
-        json.loads(result.stdout)["node"]
-        == urlsplit(server.admin_url).netloc.rpartition("@")[2]
+    monkeypatch.setenv("REDIS_URL", server.admin_url)
+    code, out, err = await cli_in_process(capsys, "inspect", "--json")
+    assert code == 0, err
+    address = urlsplit(server.admin_url).netloc.rpartition("@")[2]
+    assert json.loads(out)["node"] == address
+    code, _, _ = await cli_in_process(
+        capsys, "inspect", "--json", "--url", "redis://127.0.0.1:1"
     )
-    named = cli(
-        "inspect", "--json", "--url", "redis://127.0.0.1:1", redis_url=server.admin_url
-    )
-    assert named.returncode == 2, "--url wins over REDIS_URL"
+    assert code == 2, "--url wins over REDIS_URL"
 
 
 async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) -> None:

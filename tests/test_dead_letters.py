@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.formatters.json_formatter import JSONFormatter
@@ -28,7 +29,7 @@ from taskiq_atomic_claim.operations import START
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server
-from tests.test_cli import cli
+from tests.test_cli import cli, cli_in_process
 
 STREAM, GROUP = "jobs", "workers"
 KEYS = StreamKeys(STREAM, GROUP)
@@ -270,7 +271,7 @@ async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
 
 
 async def test_dead_letters_of_every_queue_as_text_and_paged_json(
-    server: Server, redis: Redis
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Without --queue it read queue "taskiq" only and printed "0 dead letters"
     # while another queue held some.
@@ -281,29 +282,27 @@ async def test_dead_letters_of_every_queue_as_text_and_paged_json(
         other.dead_letters,
         {"data": b"x", "dead_letter_stream": "other", "dead_letter_group": "g2"},
     )
-    listed = cli("dead-letters", "--url", server.admin_url)
-    assert listed.returncode == 0, listed.stderr
-    out = listed.stdout
+    url = ("--url", server.admin_url)
+    code, out, err = await cli_in_process(capsys, "dead-letters", *url)
+    assert code == 0, err
     assert (
         f"3 dead letters in {KEYS.dead_letters} (queue 'jobs', group 'workers')" in out
     )
     assert f"1 dead letters in {other.dead_letters} (queue 'other', group 'g2')" in out
-    everything = json.loads(
-        cli("dead-letters", "--url", server.admin_url, "--json").stdout
-    )
-    assert everything["format"] == 1
-    assert everything["discovered"] is True
+    _, out, _ = await cli_in_process(capsys, "dead-letters", *url, "--json")
+    everything = json.loads(out)
+    assert (everything["format"], everything["discovered"]) == (1, True)
     assert [(q["stream"], q["group"], q["count"]) for q in everything["queues"]] == [
         ("jobs", "workers", 3),
         ("other", "g2", 1),
     ]
-    where = ("--url", server.admin_url, "--queue", STREAM, "--group", GROUP)
+    where = (*url, "--queue", STREAM, "--group", GROUP, "--json", "--count", "2")
     seen: list[str] = []
     after: list[str] = []
     for _ in range(3):
-        paged = cli("dead-letters", *where, "--json", "--count", "2", *after)
-        assert paged.returncode == 0, paged.stderr
-        [queue] = json.loads(paged.stdout)["queues"]
+        code, out, err = await cli_in_process(capsys, "dead-letters", *where, *after)
+        assert code == 0, err
+        [queue] = json.loads(out)["queues"]
         seen += [entry["original_id"] for entry in queue["entries"]]
         if queue["next_after"] is None:
             break
@@ -314,6 +313,6 @@ async def test_dead_letters_of_every_queue_as_text_and_paged_json(
         "task_id": "a-2",
         "arguments": "",
     }
-    alone = cli("dead-letters", "--url", server.admin_url, "--after", "1-0")
-    assert alone.returncode == 2
-    assert "--after pages through one queue" in alone.stderr
+    code, _, err = await cli_in_process(capsys, "dead-letters", *url, "--after", "1-0")
+    assert code == 2
+    assert "--after pages through one queue" in err

@@ -307,6 +307,8 @@ async def _cluster_primaries(
         owners = [startup.get_node_from_key(stream) for stream in streams or ()]
     except RedisClusterException as error:  # not a RedisError
         raise CommandError(f"--cluster: {error}") from None
+    except AuthenticationError as error:
+        raise CommandError(_refused_login(options.url, error)) from None
     except _UNPARSABLE:
         raise NotRedisError(
             f"{_address(options.url)} speaks RESP but did not answer"
