@@ -138,23 +138,28 @@ def password_protected() -> Iterator[int]:
         yield local.port
 
 
-def test_a_missing_password_is_one_line_saying_so() -> None:
+async def test_a_missing_password_is_one_line_saying_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Without one the server's own text is about HELLO (RESP3) or a
     # username-password pair.
+    monkeypatch.delenv("REDIS_URL", raising=False)
     with password_protected() as port:
         for command, url in [
             ("inspect", f"redis://127.0.0.1:{port}"),
             ("dead-letters", f"redis://default@127.0.0.1:{port}"),
         ]:
-            result = cli(command, "--url", url)
-            assert result.returncode == 2, result.stdout + result.stderr
-            assert result.stderr.count("\n") == 1, result.stderr
-            assert f"127.0.0.1:{port} requires a password" in result.stderr
-        wrong = cli("inspect", "--url", f"redis://:wrong@127.0.0.1:{port}")
-        assert wrong.returncode == 2
-        assert "refused the URL's username and password" in wrong.stderr
-        right = cli("inspect", redis_url=f"redis://:s3cret@127.0.0.1:{port}")
-        assert right.returncode == 0, right.stderr
+            code, _, err = await cli_in_process(capsys, command, "--url", url)
+            assert code == 2, err
+            assert err.count("\n") == 1, err
+            assert f"127.0.0.1:{port} requires a password" in err
+        wrong = f"redis://:wrong@127.0.0.1:{port}"
+        code, _, err = await cli_in_process(capsys, "doctor", "--url", wrong)
+        assert code == 2
+        assert "refused the URL's username and password" in err
+        monkeypatch.setenv("REDIS_URL", f"redis://:s3cret@127.0.0.1:{port}")
+        code, _, err = await cli_in_process(capsys, "inspect")
+        assert code == 0, err
 
 
 async def test_url_falls_back_to_redis_url(
