@@ -179,8 +179,7 @@ async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
 
 
 def _refused_login(url: str, error: AuthenticationError) -> str:
-    """One line for a refused login, instead of the server's text about
-    HELLO or a username-password pair."""
+    """One line for a refused login, not the server's text about HELLO."""
     where = _address(url)
     if urlsplit(url).password is None:
         return (
@@ -364,9 +363,8 @@ async def print_json(
     report: Callable[[Any, Target], Awaitable[tuple[dict[str, Any], bool]]],
 ) -> int:
     """Print each target's JSON ``report`` (and whether it was fine) in the
-    versioned envelope (admin/inspection_json.py): the object itself, or
-    with --cluster one per primary under "nodes". The shape follows the
-    options, not the count of nodes."""
+    envelope of admin/inspection_json.py: with --cluster one per primary
+    under "nodes" (the options decide the shape, not the count of nodes)."""
     reports: list[dict[str, Any]] = []
 
     async def one(client: Any, target: Target) -> bool:
