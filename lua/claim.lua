@@ -31,7 +31,7 @@
     {"skipped", holder, lease_pttl_ms}
         another consumer holds the lease; nothing was claimed.
     {"claimed", next_cursor, {{id, {field, value, ...}, crashes}, ...},
-     {trimmed_id, ...}, {dead_lettered_id, ...}, full}
+     {trimmed_id, ...}, {{dead_lettered_id, data}, ...}, full}
         entries now owned by ARGV[2], each with its crashes (starts in
         workers that died running it; left out when ARGV[6] is 0); trimmed
         ids were pending but their stream entry is gone (trimmed or XDEL'd)
@@ -39,7 +39,8 @@
         dead-lettered ids reached max_deliveries crashes, were copied to the
         dead letters and acked (with ARGV[7] "1" also deleted from the
         stream once no group still needs them), and their start counts
-        deleted. full is 1
+        deleted; each comes with its "data" field (false when it has none)
+        for the task's waiters. full is 1
         when XAUTOCLAIM filled COUNT (more may be idle): then no lease is
         taken (one held by the caller is dropped), so every claimer with
         room helps drain; else 0 and the caller holds the lease.
@@ -120,10 +121,10 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
     for i, entry in ipairs(present) do
       local crash_count = tonumber(crashes[i]) or 0
       if crash_count >= max_deliveries then
-        move_to_dead_letters(stream, dead_letters, group, entry[1], entry[2], crash_count,
-          "max_deliveries exceeded", delete_acked)
+        local _, data = move_to_dead_letters(stream, dead_letters, group, entry[1],
+          entry[2], crash_count, "max_deliveries exceeded", delete_acked)
         redis.call("HDEL", started, entry[1])
-        dead_lettered[#dead_lettered + 1] = entry[1]
+        dead_lettered[#dead_lettered + 1] = {entry[1], data}
       else
         entry[3] = crash_count
         claimed[#claimed + 1] = entry

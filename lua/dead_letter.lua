@@ -17,8 +17,9 @@
   ARGV[5]  optional: the count to record as its deliveries (the start
            count, when it goes for max_deliveries); else the PEL's count
 
-  Returns {dead_letter_id} when moved, {} when the entry was already gone
-  from the stream (then it is only acked, so it cannot come back).
+  Returns {dead_letter_id, data} when moved (data: the entry's "data"
+  field, false when it has none), {} when the entry was already gone from
+  the stream (then it is only acked, so it cannot come back).
 
   Invariant: an entry leaves the PEL, or its stream, only together with its
   copy landing in the dead-letter stream; nothing is acked without a record.
@@ -43,5 +44,6 @@ if recorded then
 elseif #pending == 1 then
   deliveries = pending[1][4]
 end
-return {move_to_dead_letters(stream, dead_letters, group, id, found[1][2],
-  deliveries, reason, delete_acked)}
+local dead_id, data = move_to_dead_letters(stream, dead_letters, group, id,
+  found[1][2], deliveries, reason, delete_acked)
+return {dead_id, data}

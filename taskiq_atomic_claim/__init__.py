@@ -1,16 +1,27 @@
 """Crash recovery for taskiq's Redis Streams broker that no client crash can wedge."""
 
+import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-from taskiq_atomic_claim.compat import check_stack
+from taskiq_atomic_claim.compat import UnsupportedStackError, check_stack
 
 # Before the brokers import taskiq-redis: see compat.
-check_stack()
+try:
+    check_stack()
+except UnsupportedStackError as error:
+    if Path(sys.argv[0]).name == "taskiq-atomic-claim":
+        # The command's one-line error (cli/arguments.py), not a traceback:
+        # nothing of the CLI can load on this stack.
+        print(f"taskiq-atomic-claim: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise
 
-from taskiq_atomic_claim.broker import AtomicRedisStreamBroker  # noqa: E402
-from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker  # noqa: E402
-from taskiq_atomic_claim.kicking import UncertainKickError  # noqa: E402
-from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker  # noqa: E402
+from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
+from taskiq_atomic_claim.dead_letter_results import DeadLettered
+from taskiq_atomic_claim.kicking import UncertainKickError
+from taskiq_atomic_claim.sentinel_broker import AtomicRedisStreamSentinelBroker
 
 try:
     __version__ = version("taskiq-atomic-claim")
@@ -21,6 +32,7 @@ __all__ = [
     "AtomicRedisStreamBroker",
     "AtomicRedisStreamClusterBroker",
     "AtomicRedisStreamSentinelBroker",
+    "DeadLettered",
     "UncertainKickError",
     "__version__",
 ]

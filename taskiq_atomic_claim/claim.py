@@ -33,6 +33,9 @@ class ClaimOutcome:
     # Started max_deliveries times in workers that died: moved to the dead
     # letters.
     dead_lettered: list[str] = field(default_factory=list)
+    # Their "data" fields, by id (those that had one): what their task's
+    # waiters learn from (dead_letter_results.py).
+    dead_lettered_data: dict[str, bytes] = field(default_factory=dict)
     next_cursor: str = "0-0"
     lease_holder: str | None = None
     lease_ttl_ms: int | None = None
@@ -72,7 +75,10 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
             for entry in reply[2]
         ],
         trimmed=[text(entry_id) for entry_id in reply[3]],
-        dead_lettered=[text(entry_id) for entry_id in reply[4]],
+        dead_lettered=[text(entry_id) for entry_id, _ in reply[4]],
+        dead_lettered_data={
+            text(entry_id): _as_bytes(data) for entry_id, data in reply[4] if data
+        },
         next_cursor=text(reply[1]),
         full=bool(reply[5]),
     )

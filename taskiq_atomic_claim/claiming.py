@@ -40,6 +40,9 @@ class Claiming:
     _claim_error: Exception | None
     # Per stream: when (monotonic s) this consumer claims on it next.
     _claim_due: dict[str, float]
+    # Where reads reclaim, per stream: not before this (monotonic s); see
+    # _stand_aside.
+    _read_claims_from: dict[str, float]
 
     @property
     def streams(self) -> list[str]:
@@ -84,21 +87,25 @@ class Claiming:
             self.metrics.add("lease_skips", stream)
         self.metrics.add("claimed", stream, len(outcome.entries))
         report_trimmed(self.metrics, stream, outcome.trimmed)
-        self.metrics.add("dead_lettered", stream, len(outcome.dead_lettered))
-        if outcome.dead_lettered:
-            logger.error(
-                "%d entries of stream %r started %d times in workers that died"
-                " running them and were moved to dead letters %r: %s",
-                len(outcome.dead_lettered),
-                stream,
-                self.claim_settings.max_deliveries,
-                keys.dead_letters,
-                ", ".join(outcome.dead_lettered),
-            )
+        self.in_flight.dead_lettering.moved_by_claim(
+            keys, outcome.dead_lettered, outcome.dead_lettered_data
+        )
         if outcome.entries:
             logger.debug(
                 "Reclaimed %d idle entries from stream %r", len(outcome.entries), stream
             )
+
+    def _stand_aside(self, stream: str) -> None:
+        """After declining an entry of ``stream`` (its task unknown here),
+        claim nothing for a while: past the lease this consumer may hold and
+        the time others wait past it, and one claim interval more, so another
+        consumer claims it first. Where reads reclaim, no read claims on
+        ``stream``; the other streams go on claiming."""
+        settings = self.claim_settings
+        wait = settings.lease + settings.skip_wait + settings.claim_interval
+        until = time.monotonic() + wait / 1000
+        self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
+        self._read_claims_from[stream] = until
 
     def _raise_deferred_claim_error(self) -> None:
         """A claim that failed after other streams' claims took entries is

@@ -4,12 +4,23 @@ worker does. Listing and requeue, what an operator does, are in
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import DEAD_LETTER
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
 
+logger = logging.getLogger("taskiq.atomic_claim")
+
 _REASON_LIMIT = 200
+# The reason of an entry whose task crashed max_deliveries workers (claim.lua
+# writes the same).
+MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
 
 
 def bounded_reason(reason: str) -> str:
@@ -26,11 +37,13 @@ async def move_to_dead_letters(
     *,
     delete_acked: bool,
     deliveries: int | None = None,
+    results: DeadLetterResults | None = None,
 ) -> str | None:
     """Move one pending entry and ack it; None if its data was already gone.
     With ``delete_acked`` the ack is the broker's (XACKDEL ... ACKED): the
     entry leaves its stream once no group still needs it. ``deliveries`` is
-    recorded in place of the PEL's delivery count."""
+    recorded in place of the PEL's delivery count. ``results`` stores the
+    task's error result once it moved."""
     extra = [] if deliveries is None else [deliveries]
     reply = await runner.call(
         client,
@@ -38,4 +51,78 @@ async def move_to_dead_letters(
         [keys.stream, keys.dead_letters, keys.started],
         [keys.group, entry_id, reason, int(delete_acked), *extra],
     )
-    return text(reply[0]) if reply else None
+    if not reply:
+        return None
+    if results is not None:
+        results.dead_lettered(keys.stream, entry_id, reply[1], reason)
+    return text(reply[0])
+
+
+class DeadLettering:
+    """What a worker does with each entry it dead-letters, whichever path
+    moved it: count it, log it, and tell its task's waiters."""
+
+    def __init__(
+        self,
+        scripts: ScriptRunner,
+        metrics: ReclaimMetrics,
+        results: DeadLetterResults,
+        *,
+        delete_acked: bool,
+    ) -> None:
+        self.scripts = scripts
+        self.metrics = metrics
+        self.results = results
+        self.delete_acked = delete_acked
+
+    async def move(
+        self,
+        client: Any,
+        keys: StreamKeys,
+        entry_id: str,
+        reason: str,
+        *,
+        deliveries: int | None = None,
+        level: int = logging.ERROR,
+    ) -> None:
+        """Move a held entry to the dead letters, in place of its ack."""
+        await move_to_dead_letters(
+            self.scripts,
+            client,
+            keys,
+            entry_id,
+            reason,
+            delete_acked=self.delete_acked,
+            deliveries=deliveries,
+            results=self.results,
+        )
+        self.metrics.add("dead_lettered", keys.stream)
+        logger.log(
+            level,
+            "Entry %s of stream %r moved to dead letters %r: %s",
+            entry_id,
+            keys.stream,
+            keys.dead_letters,
+            reason,
+        )
+
+    def moved_by_claim(
+        self, keys: StreamKeys, ids: Sequence[str], data: Mapping[str, bytes]
+    ) -> None:
+        """The claim script moved ``ids`` (their tasks crashed max_deliveries
+        workers); ``data`` holds their data fields."""
+        if not ids:
+            return
+        self.metrics.add("dead_lettered", keys.stream, len(ids))
+        for entry_id in ids:
+            self.results.dead_lettered(
+                keys.stream, entry_id, data.get(entry_id), MAX_DELIVERIES_EXCEEDED
+            )
+        logger.error(
+            "%d entries of stream %r whose tasks crashed max_deliveries workers"
+            " moved to dead letters %r: %s",
+            len(ids),
+            keys.stream,
+            keys.dead_letters,
+            ", ".join(ids),
+        )

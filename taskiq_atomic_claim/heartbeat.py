@@ -128,6 +128,9 @@ class Heartbeating:
         ``--wait-tasks-timeout``) run on through the app's shutdown handlers:
         their entries stay held and heartbeated until ``finish_shutdown``.
         """
+        # Before the parent's shutdown closes the result backend: each
+        # dead-letter result write is bounded.
+        await self.in_flight.dead_lettering.results.flush()
         waiting = [d for d in self.in_flight.deliveries() if not d.running()]
         return await self._give_back(waiting, self.claim_settings.idle_timeout)
 

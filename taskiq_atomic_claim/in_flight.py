@@ -29,7 +29,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
-from taskiq_atomic_claim.dead_letters import bounded_reason, move_to_dead_letters
+from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
+from taskiq_atomic_claim.dead_letters import DeadLettering, bounded_reason
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
@@ -66,9 +67,13 @@ class InFlight:
         consumer: str,
         settings: ClaimSettings,
         metrics: ReclaimMetrics,
+        results: DeadLetterResults,
         stand_aside: Callable[[str], None] = lambda stream: None,
     ) -> None:
         self.scripts = scripts
+        self.dead_lettering = DeadLettering(
+            scripts, metrics, results, delete_acked=settings.delete_acked
+        )
         # Called with the stream of an entry declined: claim elsewhere first.
         self.stand_aside = stand_aside
         self.group = group
@@ -279,24 +284,10 @@ class InFlight:
     ) -> None:
         """Move a held entry to dead letters, in place of its ack."""
         keys = StreamKeys(delivery.stream, self.group)
-        await move_to_dead_letters(
-            self.scripts,
-            client,
-            keys,
-            delivery.entry_id,
-            reason,
-            delete_acked=self.settings.delete_acked,
+        await self.dead_lettering.move(
+            client, keys, delivery.entry_id, reason, level=level
         )
         self.discard(delivery.stream, delivery.entry_id)
-        self.metrics.add("dead_lettered", delivery.stream)
-        logger.log(
-            level,
-            "Entry %s of stream %r moved to dead letters %r: %s",
-            delivery.entry_id,
-            delivery.stream,
-            keys.dead_letters,
-            reason,
-        )
 
     async def hand_back_unyielded(self, client: Any, older_than_s: float) -> None:
         """Hand back entries read but not handed to taskiq for ``older_than_s``

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.dead_letters import MAX_DELIVERIES_EXCEEDED
 from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
@@ -30,8 +30,6 @@ from taskiq_atomic_claim.server_info import LUA_CLAIM, NATIVE_CLAIM, ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
-
-_MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
 
 
 class NativeReads:
@@ -263,25 +261,14 @@ class NativeReads:
                     self.in_flight.add(stream, [entry_id], crashes)
                     continue
                 # Recorded as the Lua claim does: the crashes that counted.
-                await move_to_dead_letters(
-                    self.scripts,
+                await self.in_flight.dead_lettering.move(
                     client,
                     keys,
                     entry_id,
-                    _MAX_DELIVERIES_EXCEEDED,
-                    delete_acked=self.claim_settings.delete_acked,
+                    MAX_DELIVERIES_EXCEEDED,
                     deliveries=crashes,
                 )
                 poisoned.add((stream, entry_id))
-                self.metrics.add("dead_lettered", stream)
-                logger.error(
-                    "Entry %s of stream %r started %d times in workers that"
-                    " died running it and was moved to dead letters %r",
-                    entry_id,
-                    stream,
-                    max_deliveries,
-                    keys.dead_letters,
-                )
         return [
             (stream, entry_id, fields)
             for stream, entry_id, fields, _ in read

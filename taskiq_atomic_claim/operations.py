@@ -67,7 +67,7 @@ class Operation(Generic[ReplyT]):
 
 # XACK's reply: 1 if the entry was pending, else 0. Frees memory.
 ACK: Operation[int] = Operation("ack", ("stream", "started"), allow_oom=True)
-# ["claimed", cursor, entries, trimmed ids, dead-lettered ids] or
+# ["claimed", cursor, entries, trimmed ids, [[dead-lettered id, data], ...]] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
 # Out of memory too: where reads reclaim (Redis >= 8.4) they do anyway, and
 # refused, a crashed worker's tasks wait for memory. Its lease and cursor
@@ -82,7 +82,7 @@ CLAIM: Operation[list[Any]] = Operation(
 # The entry's delivery count (handed back if below the bound), or -1.
 # Out of memory too: a hand-back changes an existing PEL entry, adds nothing.
 DECLINE: Operation[int] = Operation("decline", ("stream",), allow_oom=True)
-# [dead-letter id], or [] when the entry was already gone.
+# [dead-letter id, its data field or None], or [] when the entry was already gone.
 # Out of memory too: in place of the ack of an entry taskiq cannot run; the
 # heartbeat runs it first, so refused it would stop the heartbeat too.
 DEAD_LETTER: Operation[list[Any]] = Operation(

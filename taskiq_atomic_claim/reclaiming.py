@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
+from taskiq.abc.result_backend import AsyncResultBackend
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
+from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.delivery import EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
@@ -64,6 +66,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
     if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
         formatter: TaskiqFormatter
         middlewares: list[TaskiqMiddleware]
+        result_backend: AsyncResultBackend[Any]
 
         def add_middlewares(self, *middlewares: TaskiqMiddleware) -> None: ...
         def find_task(self, task_name: str) -> Any: ...
@@ -86,6 +89,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             self.consumer_name,
             claim_settings,
             self.metrics,
+            DeadLetterResults(lambda: self.result_backend),
             stand_aside=self._stand_aside,
         )
         self.group_positions = GroupPositions()
@@ -300,18 +304,6 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             data=EntryData(data, stream, entry_id),
             ack=self._tracked_ack(stream, entry_id),
         )
-
-    def _stand_aside(self, stream: str) -> None:
-        """After declining an entry of ``stream`` (its task unknown here),
-        claim nothing for a while: past the lease this consumer may hold and
-        the time others wait past it, and one claim interval more, so another
-        consumer claims it first. Where reads reclaim, no read claims on
-        ``stream``; the other streams go on claiming."""
-        settings = self.claim_settings
-        wait = settings.lease + settings.skip_wait + settings.claim_interval
-        until = time.monotonic() + wait / 1000
-        self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
-        self._read_claims_from[stream] = until
 
     def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
         """XACK and forget the entry's start count in one round trip; an

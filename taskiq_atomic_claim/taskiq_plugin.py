@@ -19,4 +19,4 @@ class AtomicClaimCMD(TaskiqCMD):
     short_help = "set up, inspect and repair atomic claim; the crash drill"
 
     def exec(self, args: Sequence[str]) -> int:
-        return main(args)
+        return main(args, prog="taskiq atomic-claim")

@@ -2,30 +2,55 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
+import redis as sync_redis
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.harness.embedded_server import free_port
+from taskiq_atomic_claim.cli import main
+from taskiq_atomic_claim.harness.embedded_server import (
+    LocalServer,
+    default_binary,
+    free_port,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, LoadMode, ScriptRunner
 from tests.conftest import Server, server_command
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+async def cli_in_process(
+    capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """``main`` in this process (a thread: it runs its own event loop), for
+    tests that run many commands: exit code, stdout, stderr."""
+    code = await asyncio.to_thread(main, list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def cli(*args: str, redis_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it; with ``REDIS_URL`` only if given."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    if redis_url is not None:
+        env["REDIS_URL"] = redis_url
     return subprocess.run(
         [sys.executable, "-m", "taskiq_atomic_claim.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
 
 
@@ -101,6 +126,55 @@ def test_missing_url_is_a_usage_error() -> None:
     result = cli("load")
     assert result.returncode == 2
     assert "--url" in result.stderr
+    assert "REDIS_URL" in result.stderr
+
+
+@contextlib.contextmanager
+def password_protected() -> Iterator[int]:
+    """The port of a server of its own whose default user needs a password."""
+    with LocalServer(default_binary()) as local:
+        with sync_redis.Redis(port=local.port) as admin:
+            admin.config_set("requirepass", "s3cret")
+        yield local.port
+
+
+async def test_a_missing_password_is_one_line_saying_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without one the server's own text is about HELLO (RESP3) or a
+    # username-password pair.
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with password_protected() as port:
+        for command, url in [
+            ("inspect", f"redis://127.0.0.1:{port}"),
+            ("dead-letters", f"redis://default@127.0.0.1:{port}"),
+        ]:
+            code, _, err = await cli_in_process(capsys, command, "--url", url)
+            assert code == 2, err
+            assert err.count("\n") == 1, err
+            assert f"127.0.0.1:{port} requires a password" in err
+        wrong = f"redis://:wrong@127.0.0.1:{port}"
+        code, _, err = await cli_in_process(capsys, "doctor", "--url", wrong)
+        assert code == 2
+        assert "refused the URL's username and password" in err
+        monkeypatch.setenv("REDIS_URL", f"redis://:s3cret@127.0.0.1:{port}")
+        code, _, err = await cli_in_process(capsys, "inspect")
+        assert code == 0, err
+
+
+async def test_url_falls_back_to_redis_url(
+    server: Server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Credentials stay off command lines (and out of ps).
+    monkeypatch.setenv("REDIS_URL", server.admin_url)
+    code, out, err = await cli_in_process(capsys, "inspect", "--json")
+    assert code == 0, err
+    address = urlsplit(server.admin_url).netloc.rpartition("@")[2]
+    assert json.loads(out)["node"] == address
+    code, _, _ = await cli_in_process(
+        capsys, "inspect", "--json", "--url", "redis://127.0.0.1:1"
+    )
+    assert code == 2, "--url wins over REDIS_URL"
 
 
 async def test_dead_letters_listed_and_requeued(server: Server, redis: Redis) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.formatters.json_formatter import JSONFormatter
 from taskiq.message import BrokerMessage
 from taskiq.utils import maybe_awaitable
+from taskiq_redis import RedisAsyncResultBackend
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import (
@@ -18,6 +21,7 @@ from taskiq_atomic_claim.admin.dead_letters import (
     requeue_dead_letters,
 )
 from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letter_results import DeadLettered
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import START
@@ -25,7 +29,7 @@ from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from tests.conftest import Server
-from tests.test_cli import cli
+from tests.test_cli import cli, cli_in_process
 
 STREAM, GROUP = "jobs", "workers"
 KEYS = StreamKeys(STREAM, GROUP)
@@ -223,3 +227,92 @@ async def test_requeue_by_task_name_moves_only_that_task(
     none_left = cli("requeue", *where, "--task", "app:a")
     assert none_left.returncode == 1
     assert "no dead letters of task 'app:a'" in none_left.stdout
+
+
+async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
+    server: Server, redis: Redis
+) -> None:
+    # A victim started the task and died; the claimer's reclaim (the claim
+    # script, or the read itself on Redis >= 8.4) dead-letters it.
+    results: RedisAsyncResultBackend[Any] = RedisAsyncResultBackend(
+        server.admin_url, result_ex_time=60
+    )
+    keys = StreamKeys("taskiq", "taskiq")
+    await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
+    poison = text(await redis.xadd("taskiq", {"data": call("app:crash", "crash-1")}))
+    await redis.xreadgroup("taskiq", "victim", {"taskiq": ">"})
+    await ScriptRunner().call(redis, START, [keys.started], [60_000, poison])
+    claimer = AtomicRedisStreamBroker(
+        server.url,
+        consumer_name="claimer",
+        idle_timeout=200,
+        claim_interval=100,
+        xread_block=100,
+        max_deliveries=1,
+    ).with_result_backend(results)
+    await claimer.startup()
+    listening = asyncio.create_task(anext(claimer.listen()))
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await results.is_result_ready("crash-1"):
+            assert asyncio.get_running_loop().time() < deadline, "no result stored"
+            assert not listening.done(), "the poison was delivered"
+            await asyncio.sleep(0.05)
+        result = await results.get_result("crash-1")
+        assert result.is_err
+        assert isinstance(result.error, DeadLettered), result.error
+        assert result.error.reason == "max_deliveries exceeded"
+        assert (result.error.stream, result.error.entry_id) == ("taskiq", poison)
+        [dead] = await list_dead_letters(redis, keys)
+        assert dead.original_id == poison
+    finally:
+        listening.cancel()
+        await claimer.shutdown()
+
+
+async def test_dead_letters_of_every_queue_as_text_and_paged_json(
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without --queue it read queue "taskiq" only and printed "0 dead letters"
+    # while another queue held some.
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    ids = [await dead_letter(redis, call("app:a", f"a-{n}")) for n in range(3)]
+    other = StreamKeys("other", "g2")
+    await redis.xadd(
+        other.dead_letters,
+        {"data": b"x", "dead_letter_stream": "other", "dead_letter_group": "g2"},
+    )
+    url = ("--url", server.admin_url)
+    code, out, err = await cli_in_process(capsys, "dead-letters", *url)
+    assert code == 0, err
+    assert (
+        f"3 dead letters in {KEYS.dead_letters} (queue 'jobs', group 'workers')" in out
+    )
+    assert f"1 dead letters in {other.dead_letters} (queue 'other', group 'g2')" in out
+    _, out, _ = await cli_in_process(capsys, "dead-letters", *url, "--json")
+    everything = json.loads(out)
+    assert (everything["format"], everything["discovered"]) == (1, True)
+    assert [(q["stream"], q["group"], q["count"]) for q in everything["queues"]] == [
+        ("jobs", "workers", 3),
+        ("other", "g2", 1),
+    ]
+    where = (*url, "--queue", STREAM, "--group", GROUP, "--json", "--count", "2")
+    seen: list[str] = []
+    after: list[str] = []
+    for _ in range(3):
+        code, out, err = await cli_in_process(capsys, "dead-letters", *where, *after)
+        assert code == 0, err
+        [queue] = json.loads(out)["queues"]
+        seen += [entry["original_id"] for entry in queue["entries"]]
+        if queue["next_after"] is None:
+            break
+        after = ["--after", queue["next_after"]]
+    assert seen == ids
+    assert queue["entries"][0]["task"] == {
+        "name": "app:a",
+        "task_id": "a-2",
+        "arguments": "",
+    }
+    code, _, err = await cli_in_process(capsys, "dead-letters", *url, "--after", "1-0")
+    assert code == 2
+    assert "--after pages through one queue" in err

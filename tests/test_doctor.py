@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 from taskiq import AckableMessage
 from taskiq.message import BrokerMessage
@@ -17,7 +19,7 @@ from taskiq_atomic_claim.admin.doctor import Finding, Thresholds, apply_fixes, d
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from tests.conftest import Server, server_command
-from tests.test_cli import cli
+from tests.test_cli import cli, cli_in_process
 
 KEYS = StreamKeys("jobs", "workers")
 LEGACY = "autoclaim:workers:jobs"
@@ -120,7 +122,7 @@ async def test_fix_loads_a_missing_library(server: Server, redis: Redis) -> None
 
 
 async def test_what_needs_a_person_stays_non_zero_after_fix(
-    server: Server, redis: Redis
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     await healthy_group(redis)
     for number in range(3):
@@ -152,12 +154,23 @@ async def test_what_needs_a_person_stays_non_zero_after_fix(
     assert result.returncode == 1
     out = result.stdout
     assert "[pel-size] jobs / workers: 3 pending entries (threshold 2)" in out
-    assert "[stale-pending] jobs / workers" in out
+    assert "[stale-pending] jobs / workers: an entry held by consumer 'slow'" in out
     assert "[dead-letters] jobs / workers: 1 dead letter in" in out
     assert "dead-letters --url URL --queue=jobs --group=workers" in out
     assert "[no-group] orphan" in out
     assert out.count("what to do:") == 4
     assert "4 need attention:" in out
+    code, out, _ = await cli_in_process(
+        capsys, "doctor", "--url", server.url, "--json", "--max-pending", "2",
+        "--stale-pending-ms", "10",
+    )  # fmt: skip
+    assert code == 1
+    report = json.loads(out)
+    assert (report["format"], report["healthy"]) == (1, False)
+    by_kind = {finding["kind"]: finding for finding in report["findings"]}
+    assert sorted(by_kind) == ["dead-letters", "no-group", "pel-size", "stale-pending"]
+    assert by_kind["stale-pending"]["consumer"] == "slow"
+    assert "dead-letters --url URL --queue=jobs" in by_kind["dead-letters"]["advice"]
 
 
 async def test_named_streams_and_groups_that_do_not_exist(

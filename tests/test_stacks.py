@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,23 @@ async def test_a_message_the_receiver_skips_is_not_kept_pending(
     finally:
         await listen.aclose()
         await broker.shutdown()
+
+
+def test_the_cli_on_an_unsupported_stack_says_so_in_one_line(tmp_path: Path) -> None:
+    dist_info = tmp_path / "taskiq_redis-1.1.2.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: taskiq-redis\nVersion: 1.1.2\n"
+    )
+    ran = subprocess.run(
+        [str(Path(sys.executable).with_name("taskiq-atomic-claim")), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert ran.returncode == 2
+    assert ran.stderr.startswith("taskiq-atomic-claim: error: "), ran.stderr
+    assert ran.stderr.count("\n") == 1, ran.stderr
+    assert "needs taskiq-redis>=1.2.2, found taskiq-redis 1.1.2" in ran.stderr

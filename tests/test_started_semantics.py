@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,19 +18,26 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from taskiq import TaskiqResult
 from taskiq.kicker import AsyncKicker
 from taskiq.receiver import Receiver
 from taskiq.utils import maybe_awaitable
+from taskiq_redis import RedisAsyncResultBackend
 
-from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.admin.dead_letters import DeadLetter, list_dead_letters
+from taskiq_atomic_claim import AtomicRedisStreamBroker, DeadLettered
+from taskiq_atomic_claim.admin.dead_letters import (
+    DeadLetter,
+    list_dead_letters,
+    requeue_dead_letters,
+)
 from taskiq_atomic_claim.harness.drill import Events, _taskiq_command
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
-from tests.started_app import POISON_TASK
+from tests.started_app import POISON_TASK, POISON_UNTIL_CURED_TASK, cure_stream
 from tests.test_broker import message
 from tests.test_reliability import started
 
@@ -51,10 +59,15 @@ class Queue:
         return StreamKeys(self.name, "taskiq")
 
     def worker(
-        self, name: str, *extra_args: str, old_release: bool = False
+        self,
+        name: str,
+        *extra_args: str,
+        old_release: bool = False,
+        results_url: str = "",
     ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
+            "TAC_TEST_RESULTS_URL": results_url,
             "PYTHONPATH": str(REPO),
             "TAC_TEST_URL": self.url,
             "TAC_TEST_QUEUE": self.name,
@@ -264,6 +277,61 @@ async def test_a_task_taskiq_drops_unacked_and_unparsable_data_are_dead_lettered
         assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
         log = log_text(queue)
         assert bogus_id in log and garbage in log, "each says why in the log"
+
+
+async def result_of(
+    results: RedisAsyncResultBackend[Any], task_id: str, seconds: float, err: bool
+) -> TaskiqResult[Any]:
+    """The task's result once one with that ``is_err`` is stored (bounded)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await results.is_result_ready(task_id):
+            result = await results.get_result(task_id)
+            if result.is_err == err:
+                return result
+        await asyncio.sleep(0.1)
+    pytest.fail(f"no result with is_err={err} for task {task_id} in {seconds} s")
+
+
+async def test_waiters_learn_at_once_that_their_task_was_dead_lettered(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # A poison task that crashes its worker, and a message the formatter
+    # cannot parse: their waiters get DeadLettered, not a 30 s timeout. A
+    # requeue that then runs overwrites it with the task's own result.
+    results: RedisAsyncResultBackend[Any] = RedisAsyncResultBackend(
+        server.admin_url, result_ex_time=60
+    )
+    async with fresh_queue(server, redis, tmp_path, max_deliveries=1) as queue:
+        queue.kicker.with_result_backend(results)
+        garbled = {"task_id": "garbled-1", "task_name": POISON_TASK}
+        await redis.xadd(queue.name, {"data": json.dumps(garbled)})
+        kicker: AsyncKicker[Any, Any] = AsyncKicker(
+            POISON_UNTIL_CURED_TASK, queue.kicker, {}
+        )
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w", results_url=server.admin_url))
+            # Before the poison: a worker killed within milliseconds of a
+            # dead-lettering may die before the result is written.
+            unparsed = await result_of(results, "garbled-1", 10, err=True)
+            assert isinstance(unparsed.error, DeadLettered), unparsed.error
+            assert "cannot parse" in unparsed.error.reason
+            poisoned = await kicker.kiq("poison")
+            result = await poisoned.wait_result(timeout=30)
+            assert result.is_err
+            assert isinstance(result.error, DeadLettered), result.error
+            assert result.error.reason == "max_deliveries exceeded"
+            assert result.error.stream == queue.name
+            [dead] = [
+                d
+                for d in await queue.dead_letters(redis)
+                if d.original_id == result.error.entry_id
+            ]
+            await redis.xadd(cure_stream(queue.name), {"cured": "1"})
+            await requeue_dead_letters(ScriptRunner(), redis, queue.keys, [dead.id])
+            cured = await result_of(results, poisoned.task_id, 30, err=False)
+            assert cured.return_value == "poison cured"
+            stop_gracefully(workers[-1])
 
 
 async def test_entries_read_but_never_handed_to_taskiq_are_handed_back(

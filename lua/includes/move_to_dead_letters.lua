@@ -6,12 +6,17 @@
 -- else it stays in its stream (other groups may still need it). The copy is
 -- written first, in the same script: nothing is deleted without a record.
 -- The dead-letter stream is data: never expires.
--- Returns the dead-letter entry's id.
+-- Returns the dead-letter entry's id and the entry's "data" field (false
+-- when it has none): whoever waits on its task learns from that (see
+-- dead_letter_results.py).
 local function move_to_dead_letters(stream, dead_letters, group, id, fields,
                                     deliveries, reason, delete_acked)
-  local record = {}
+  local record, data = {}, false
   for i = 1, #fields do
     record[i] = fields[i]
+    if i % 2 == 0 and fields[i - 1] == "data" then
+      data = fields[i]
+    end
   end
   local n = #record
   record[n + 1], record[n + 2] = "dead_letter_stream", stream
@@ -25,5 +30,5 @@ local function move_to_dead_letters(stream, dead_letters, group, id, fields,
   else
     redis.call("XACK", stream, group, id)
   end
-  return dead_id
+  return dead_id, data
 end

@@ -11,7 +11,8 @@ from typing import Any
 from taskiq import TaskiqFormatter
 from taskiq.formatters.json_formatter import JSONFormatter
 
-from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT
+from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
 from taskiq_atomic_claim.replies import text as _text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -21,6 +22,16 @@ REQUEUE_BATCH = 100
 # How much of a message's arguments (or raw data) a listing shows.
 PREVIEW_CHARS = 60
 MAX_DEAD_LETTERS_SCANNED = 1_000_000
+DEAD_LETTER_PATTERN = f"{PREFIX}:dead:*"
+
+
+def recorded_pair(fields: dict[Any, Any]) -> StreamKeys | None:
+    """The stream and group a dead letter records; None if it records none."""
+    stream = fields.get(b"dead_letter_stream")
+    group = fields.get(b"dead_letter_group")
+    if stream is None or group is None:
+        return None
+    return StreamKeys(_text(stream), _text(group))
 
 
 @dataclass(frozen=True)
@@ -76,10 +87,33 @@ def _parse(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
 
 
 async def list_dead_letters(
-    client: Any, keys: StreamKeys, count: int = 100
+    client: Any, keys: StreamKeys, count: int = 100, after: str | None = None
 ) -> list[DeadLetter]:
-    entries = await client.xrange(keys.dead_letters, count=count)
+    """The first ``count`` dead letters, or the ``count`` after id ``after``."""
+    start = "-" if after is None else "(" + after
+    entries = await client.xrange(keys.dead_letters, min=start, count=count)
     return [_parse(entry_id, fields) for entry_id, fields in entries]
+
+
+async def find_dead_letter_queues(
+    client: Any, group: str | None = None
+) -> tuple[list[StreamKeys], bool]:
+    """Every stream and group (only ``group``, if given) with dead letters,
+    as their dead-letter streams record them; True when the scan was cut."""
+    found: set[StreamKeys] = set()
+    cursor: Any = 0
+    for _ in range(MAX_SCAN_CALLS):
+        cursor, keys = await client.scan(
+            cursor, match=DEAD_LETTER_PATTERN, count=SCAN_COUNT, _type="stream"
+        )
+        for key in keys:
+            first = await client.xrange(key, count=1)
+            pair = recorded_pair(first[0][1]) if first else None
+            if pair is not None and group in (None, pair.group):
+                found.add(pair)
+        if int(cursor) == 0:
+            return sorted(found, key=lambda k: (k.stream, k.group)), False
+    return sorted(found, key=lambda k: (k.stream, k.group)), True
 
 
 async def dead_letter_ids_of_task(

@@ -258,13 +258,17 @@ def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Find
         )
     oldest = view.oldest_pending_idle_ms
     if oldest is not None and oldest > limits.stale_pending_ms:
+        holder = max(view.consumers, key=lambda c: c.oldest_pending_idle_ms or -1)
         yield Finding(
             "stale-pending",
             subject,
-            f"an entry has been pending for {duration(oldest)}: nobody reclaims"
-            " this group",
+            f"an entry held by consumer {holder.name!r} has been pending for"
+            f" {duration(oldest)}: nobody reclaims this group",
             "start AtomicRedisStreamBroker workers (taskiq-redis 1.2.x never"
             " reclaims on an idle queue)",
+            stream=stream,
+            group=view.name,
+            consumer=holder.name,
         )
     if view.dead_letters:
         yield Finding(

@@ -5,19 +5,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from taskiq_atomic_claim.admin.dead_letters import (
     DeadLetter,
     dead_letter_ids_of_task,
     entry_time,
+    find_dead_letter_queues,
     list_dead_letters,
     preview,
     requeue_dead_letters,
 )
 from taskiq_atomic_claim.admin.inspection import plural
-from taskiq_atomic_claim.cli.arguments import rounds
-from taskiq_atomic_claim.cli.servers import add_stream_options, connected, server_of
+from taskiq_atomic_claim.admin.report_json import (
+    dead_letters_queue_json,
+    dead_letters_to_json,
+)
+from taskiq_atomic_claim.cli.arguments import CommandError, rounds, valid_name
+from taskiq_atomic_claim.cli.servers import (
+    Target,
+    add_server_options,
+    add_stream_options,
+    connected,
+    heading,
+    on_each_target,
+    print_json,
+    resolve_targets,
+    server_of,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 
@@ -30,8 +46,29 @@ def add_parser(commands: Any) -> None:
         " max_deliveries times, or without a data field): task name and id,"
         " the start of the arguments, reason, deliveries, and when.",
     )
-    add_stream_options(dead)
-    dead.add_argument("--count", type=rounds, default=20, help="how many (1..100)")
+    add_server_options(dead)
+    dead.add_argument(
+        "--queue",
+        type=valid_name("--queue"),
+        help="stream (queue_name); default: every stream with dead letters",
+    )
+    dead.add_argument(
+        "--group",
+        type=valid_name("--group"),
+        help="consumer group; default: taskiq with --queue, else every group",
+    )
+    dead.add_argument(
+        "--count", type=rounds, default=20, help="how many per queue (1..100)"
+    )
+    dead.add_argument(
+        "--after",
+        metavar="ID",
+        help="the page after this dead letter id (with --queue; --json gives"
+        " next_after)",
+    )
+    dead.add_argument(
+        "--json", action="store_true", help="stable JSON (see admin/report_json.py)"
+    )
     dead.set_defaults(run=run_list)
 
     requeue = commands.add_parser(
@@ -79,19 +116,73 @@ def _describe(letter: DeadLetter) -> str:
     )
 
 
-async def _dead_letters(args: argparse.Namespace) -> int:
-    keys = StreamKeys(args.queue, args.group)
-    async with connected((await server_of(args, keys)).options) as client:
+@dataclass(frozen=True)
+class _Page:
+    keys: StreamKeys
+    total: int
+    letters: list[DeadLetter]
+    more: bool  # others follow this page
+
+
+async def _pages(client: Any, args: argparse.Namespace) -> tuple[list[_Page], bool]:
+    """A page per queue: the named one, or every one with dead letters
+    (True when their discovery was cut)."""
+    if args.queue is not None:
+        queues, cut = [StreamKeys(args.queue, args.group or "taskiq")], False
+    else:
+        queues, cut = await find_dead_letter_queues(client, args.group)
+    pages = []
+    for keys in queues:
         total = await client.exists(keys.dead_letters) and await client.xlen(
             keys.dead_letters
         )
-        letters = await list_dead_letters(client, keys, args.count)
-    print(f"{total} dead letters in {keys.dead_letters}")
-    for letter in letters:
+        letters = await list_dead_letters(client, keys, args.count + 1, args.after)
+        pages.append(
+            _Page(keys, total, letters[: args.count], len(letters) > args.count)
+        )
+    return pages, cut
+
+
+def _print_page(page: _Page, named: bool) -> None:
+    where = "" if named else f" (queue {page.keys.stream!r}, group {page.keys.group!r})"
+    print(f"{page.total} dead letters in {page.keys.dead_letters}{where}")
+    for letter in page.letters:
         print(_describe(letter))
-    if total > len(letters):
-        print(f"... {total - len(letters)} more (--count)")
-    return 0
+    if page.more:
+        print(f"... more: --after {page.letters[-1].id} (or --count)")
+
+
+async def _dead_letters(args: argparse.Namespace) -> int:
+    if args.after is not None and args.queue is None:
+        raise CommandError("--after pages through one queue: add --queue")
+    if args.queue is not None:
+        keys = StreamKeys(args.queue, args.group or "taskiq")
+        targets = [await server_of(args, keys)]
+    else:
+        targets = await resolve_targets(args)
+
+    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+        pages, cut = await _pages(client, args)
+        queues = [
+            dead_letters_queue_json(p.keys, p.total, p.letters, p.more) for p in pages
+        ]
+        discovered = args.queue is None
+        return dead_letters_to_json(queues, target.where, discovered, cut), True
+
+    async def listing(client: Any, target: Target) -> bool:
+        pages, cut = await _pages(client, args)
+        heading(target)
+        for page in pages:
+            _print_page(page, named=args.queue is not None)
+        if not pages:
+            print("no dead letters in any stream")
+        if cut:
+            print("(the scan for dead-letter streams stopped at its bound)")
+        return True
+
+    if args.json:
+        return await print_json(args, targets, as_json)
+    return await on_each_target(targets, listing, "listed")
 
 
 async def _requeue(args: argparse.Namespace) -> int:

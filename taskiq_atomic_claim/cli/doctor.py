@@ -21,12 +21,14 @@ from taskiq_atomic_claim.admin.doctor import (
     diagnose,
 )
 from taskiq_atomic_claim.admin.inspection import plural
+from taskiq_atomic_claim.admin.report_json import diagnosis_to_json
 from taskiq_atomic_claim.cli.arguments import PROG, count, milliseconds
 from taskiq_atomic_claim.cli.servers import (
     Target,
     add_scope_options,
     heading,
     on_each_target,
+    print_json,
     reach,
     resolve_targets,
 )
@@ -80,6 +82,9 @@ def add_parser(commands: Any) -> None:
         help="expiry --fix gives legacy locks: the old workers' idle_timeout"
         f" (default: {DEFAULT_LOCK_EXPIRY_MS})",
     )
+    doctor.add_argument(
+        "--json", action="store_true", help="stable JSON (see admin/report_json.py)"
+    )
     doctor.set_defaults(run=run)
 
 
@@ -96,16 +101,29 @@ async def _doctor(args: argparse.Namespace) -> int:
     )
     targets = await resolve_targets(args, args.queues)
 
-    async def doctor(client: Any, target: Target) -> bool:
+    async def diagnosed(client: Any, target: Target) -> Diagnosis:
         diagnosis = await diagnose(client, target.streams, args.group, thresholds)
         if args.fix:
             await apply_fixes(client, diagnosis, thresholds)
+        return diagnosis
+
+    async def doctor(client: Any, target: Target) -> bool:
+        diagnosis = await diagnosed(client, target)
         heading(target)
         _report(diagnosis, args.fix, reach(args))
         if len(targets) > 1:
             print()
         return diagnosis.healthy
 
+    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+        diagnosis = await diagnosed(client, target)
+        spelled = diagnosis_to_json(
+            diagnosis, target.where, lambda finding: advice(finding, reach(args))
+        )
+        return spelled, diagnosis.healthy
+
+    if args.json:
+        return await print_json(args, targets, as_json)
     return await on_each_target(targets, doctor, "healthy")
 
 

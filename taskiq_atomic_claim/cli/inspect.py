@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from typing import Any
 
 from taskiq_atomic_claim.admin.inspection import (
@@ -15,12 +14,13 @@ from taskiq_atomic_claim.admin.inspection import (
     inspect_server,
     plural,
 )
-from taskiq_atomic_claim.admin.inspection_json import FORMAT, inspection_to_json
+from taskiq_atomic_claim.admin.inspection_json import inspection_to_json
 from taskiq_atomic_claim.cli.servers import (
     Target,
     add_scope_options,
     heading,
     on_each_target,
+    print_json,
     resolve_targets,
 )
 
@@ -46,27 +46,20 @@ def run(args: argparse.Namespace) -> int:
 
 async def _inspect(args: argparse.Namespace) -> int:
     targets = await resolve_targets(args, args.queues)
-    reports: list[dict[str, Any]] = []
 
     async def inspect(client: Any, target: Target) -> bool:
         inspection = await inspect_server(client, target.streams, args.group)
-        if args.json:
-            reports.append(inspection_to_json(inspection, node=target.where))
-        else:
-            heading(target)
-            print(render_inspection(inspection) + ("\n" if len(targets) > 1 else ""))
+        heading(target)
+        print(render_inspection(inspection) + ("\n" if len(targets) > 1 else ""))
         return True
 
-    def failed(target: Target, message: str) -> None:
-        reports.append({"node": target.where, "error": message})
+    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+        inspection = await inspect_server(client, target.streams, args.group)
+        return inspection_to_json(inspection, node=target.where), True
 
-    if not args.json:
-        return await on_each_target(targets, inspect, "inspected")
-    code = await on_each_target(targets, inspect, None, failed)
-    # The shape follows the options, not the count of nodes (inspection_json.py).
-    payload = {"format": FORMAT, "nodes": reports} if args.cluster else reports[0]
-    print(json.dumps(payload, indent=2))
-    return code
+    if args.json:
+        return await print_json(args, targets, as_json)
+    return await on_each_target(targets, inspect, "inspected")
 
 
 def _lease_text(lease: KeyView) -> str:

@@ -24,9 +24,10 @@ from taskiq_atomic_claim.cli.arguments import PROG, CommandError, Parser
 COMMANDS = (load, inspect, serve, doctor, acl, dead_letters, drill)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """``prog``: how the user called it (``taskiq atomic-claim`` as a plugin)."""
     parser = Parser(
-        prog=PROG,
+        prog=prog,
         description=(
             "Set up and check the server-side claim library used by"
             " AtomicRedisStreamBroker, or run the crash drill."
@@ -39,23 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         code: int = args.run(args)
         return code
     except CommandError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
     except MovedError as error:
         print(
-            f"{PROG}: error: --url is a cluster node; slot {error.slot_id} is"
+            f"{prog}: error: --url is a cluster node; slot {error.slot_id} is"
             f" served by {error.host}:{error.port}: add --cluster",
             file=sys.stderr,
         )
     except (RedisError, OSError) as error:
-        print(f"{PROG}: error: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"{prog}: error: {type(error).__name__}: {error}", file=sys.stderr)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return 2
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,8 +21,14 @@ from urllib.parse import urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+)
 
+from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.keys import StreamKeys
 
@@ -45,12 +53,13 @@ class ConnectionOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConnectionOptions:
-        url = args.url
+        # From the environment, a password stays off command lines (and ps).
+        url = args.url or os.environ.get("REDIS_URL") or None
         if url is None:
             if not args.sentinel:
                 raise CommandError(
-                    "--url is required (for Sentinel: --sentinel HOST:PORT"
-                    " --master NAME)"
+                    "--url (or REDIS_URL) is required (for Sentinel: --sentinel"
+                    " HOST:PORT --master NAME)"
                 )
             url = "redis://"  # the sentinels name the master's host and port
         return cls(
@@ -80,8 +89,9 @@ class Target:
 def add_server_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--url",
-        help="redis://, rediss:// (TLS) or unix:// URL; with --cluster any node;"
-        " with --sentinel optional, its scheme and credentials reach the master",
+        help="redis://, rediss:// (TLS) or unix:// URL (default: $REDIS_URL);"
+        " with --cluster any node; with --sentinel optional, its scheme and"
+        " credentials reach the master",
     )
     tls = command.add_argument_group("TLS (rediss:// URLs)")
     tls.add_argument("--tls-ca-cert", help="CA certificate file to verify the server")
@@ -161,8 +171,23 @@ async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
     """``connect``, then make sure the peer is a Redis or Valkey server: the
     replies of anything else would fail somewhere deep in a parser."""
     async with connect(options) as client:
-        await _require_redis(client, _address(options.url))
+        try:
+            await _require_redis(client, _address(options.url))
+        except AuthenticationError as error:
+            raise CommandError(_refused_login(options.url, error)) from None
         yield client
+
+
+def _refused_login(url: str, error: AuthenticationError) -> str:
+    """One line for a refused login, not the server's text about HELLO."""
+    where = _address(url)
+    if urlsplit(url).password is None:
+        return (
+            f"{where} requires a password, and the URL has none: give it as"
+            " redis://USER:PASSWORD@HOST:PORT, in REDIS_URL to keep it off the"
+            " command line"
+        )
+    return f"{where} refused the URL's username and password: {error}"
 
 
 def _address(url: str) -> str:
@@ -281,6 +306,8 @@ async def _cluster_primaries(
         owners = [startup.get_node_from_key(stream) for stream in streams or ()]
     except RedisClusterException as error:  # not a RedisError
         raise CommandError(f"--cluster: {error}") from None
+    except AuthenticationError as error:
+        raise CommandError(_refused_login(options.url, error)) from None
     except _UNPARSABLE:
         raise NotRedisError(
             f"{_address(options.url)} speaks RESP but did not answer"
@@ -328,6 +355,30 @@ async def on_each_target(
     if len(targets) > 1 and done is not None:
         print(f"{succeeded}/{len(targets)} primaries {done}")
     return 0 if succeeded == len(targets) else 1
+
+
+async def print_json(
+    args: argparse.Namespace,
+    targets: list[Target],
+    report: Callable[[Any, Target], Awaitable[tuple[dict[str, Any], bool]]],
+) -> int:
+    """Print each target's JSON ``report`` (and whether it was fine) in the
+    envelope of admin/inspection_json.py: with --cluster one per primary
+    under "nodes" (the options decide the shape, not the count of nodes)."""
+    reports: list[dict[str, Any]] = []
+
+    async def one(client: Any, target: Target) -> bool:
+        payload, fine = await report(client, target)
+        reports.append(payload)
+        return fine
+
+    def failed(target: Target, message: str) -> None:
+        reports.append({"node": target.where, "error": message})
+
+    code = await on_each_target(targets, one, None, failed)
+    payload = {"format": FORMAT, "nodes": reports} if args.cluster else reports[0]
+    print(json.dumps(payload, indent=2))
+    return code
 
 
 def reach(args: argparse.Namespace) -> str:
