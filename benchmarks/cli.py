@@ -3,7 +3,8 @@
 Parts, in order: claim_cycle (latency per RTT, round trips, server time,
 upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
 mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
-idle fleet costs the server).
+idle fleet costs the server), hotpath (what every task pays: drain, worker
+CPU, round trips and server time per task, light-load latency).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from benchmarks import (
     contention,
     end_to_end,
     fleet_idle,
+    hotpath,
     machine,
     mass_recovery,
     netpath,
@@ -48,6 +50,7 @@ PARTS = (
     "throughput",
     "mass_recovery",
     "fleet_idle",
+    "hotpath",
 )
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
@@ -102,6 +105,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--parts",
         default=",".join(PARTS),
         help=f"comma-separated subset of: {','.join(PARTS)}",
+    )
+    parser.add_argument(
+        "--hotpath-before",
+        type=Path,
+        help="a source tree of another commit (git archive) run as one more"
+        " hotpath variant, atomic@before, in the same run",
     )
     args = parser.parse_args(argv)
     if args.plot:
@@ -245,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             if "fleet_idle" in args.parts:
                 results["fleet_idle"] = fleet_idle.run(
                     server.url, server.port, mode, log
+                )
+            if "hotpath" in args.parts:
+                results["hotpath"] = hotpath.run(
+                    server.url, server.port, mode, log, args.hotpath_before
                 )
     finally:
         if path is not None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import hotpath
 from benchmarks.stats import ratio
 from benchmarks.variants import CYCLE_VARIANTS, LUA_FLOOR, NATIVE_CLAIM, VARIANTS
 
@@ -286,6 +287,7 @@ def targets(results: dict[str, Any]) -> list[Row]:
     )
     out += _mass_targets(results.get("mass_recovery", []))
     out += _idle_targets(results)
+    out.extend(hotpath.targets(results.get("hotpath")))
     return out
 
 
@@ -608,6 +610,18 @@ def render(results: dict[str, Any]) -> str:
                     ]
                     for r in results["throughput"]
                 ),
+            )
+        )
+    if results.get("hotpath"):
+        hot = results["hotpath"]
+        parts.append(
+            f"Hot path ({hot['settings']['tasks']} no-op tasks drained by one"
+            " taskiq worker, --max-async-tasks 32 --max-prefetch 32; medians of"
+            f" {hot['settings']['reps']} reps; light load: one task every"
+            f" {hot['settings']['light_every_ms']:.0f} ms)\n"
+            + table(
+                [label for label, _ in hotpath.COLUMNS],
+                ([r[key] for _, key in hotpath.COLUMNS] for r in hot["rows"]),
             )
         )
     if results.get("mass_recovery"):

@@ -71,6 +71,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "throughput",
         "mass_recovery",
         "fleet_idle",
+        "hotpath",
         "targets",
     ):
         assert results.get(key), f"missing or empty: {key}"
