@@ -24,11 +24,12 @@ from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
-from taskiq_atomic_claim.in_flight import EntryData, InFlight
+from taskiq_atomic_claim.in_flight import Delivery, EntryData, InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
 from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -69,6 +70,10 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
 
     claim_settings: ClaimSettings
     scripts: ScriptRunner
+    # Whether starts and acks go pipelined over one connection of the
+    # listen client's pool (see pipelined.py): only where that pool lives as
+    # long as the broker.
+    pipelines_calls = False
 
     def _init_reclaim(self, claim_settings: ClaimSettings) -> None:
         self.claim_settings = claim_settings
@@ -132,6 +137,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         # lasts until a claim works again, not until the next read.
         claim_refused = claiming = False
         async with self._connection() as client:
+            self._pipeline_over(client)
             while True:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
@@ -226,6 +232,12 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
         return False
+
+    def _pipeline_over(self, client: Any) -> None:
+        if self.pipelines_calls and self.in_flight.pipelined is None:
+            pipelined = PipelinedCalls(self.scripts, client)
+            if pipelined.available:
+                self.in_flight.pipelined = pipelined
 
     def _begin_listening(self) -> None:
         """What a new listen() (one new connection) starts from."""
@@ -333,8 +345,26 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
         """XACK and forget the entry's start count in one round trip; an
         entry taskiq could not parse goes to dead letters instead."""
 
+        keys = StreamKeys(stream, self.consumer_group_name)
+        ack_args: list[str | int] = [
+            self.consumer_group_name,
+            entry_id,
+            int(self.claim_settings.delete_acked),
+        ]
+
         async def ack() -> None:
             delivery = self.in_flight.get(stream, entry_id)
+            plain = delivery is None or (
+                delivery.unknown_task is None and delivery.unparsable is None
+            )
+            pipelined = self.in_flight.pipelined
+            if plain and pipelined is not None:
+                # Bounded by the pipeline's own reply deadline.
+                await pipelined.call(ACK, [stream, keys.started], ack_args)
+                return
+            await within(REPLY_MARGIN_S, awaited_ack(delivery))
+
+        async def awaited_ack(delivery: Delivery | None) -> None:
             async with self._connection() as client:
                 if delivery is not None and delivery.unknown_task is not None:
                     await self.in_flight.decline(client, delivery)
@@ -344,17 +374,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
                         client, delivery, delivery.unparsable
                     )
                     return
-                keys = StreamKeys(stream, self.consumer_group_name)
-                await self.scripts.call(
-                    client,
-                    ACK,
-                    [stream, keys.started],
-                    [
-                        self.consumer_group_name,
-                        entry_id,
-                        int(self.claim_settings.delete_acked),
-                    ],
-                )
+                await self.scripts.call(client, ACK, [stream, keys.started], ack_args)
 
         return ack
 
@@ -372,7 +392,7 @@ class ReclaimingListener(NativeReads, Claiming, Heartbeating, StreamSetup):
             try:
                 while True:
                     try:
-                        await within(REPLY_MARGIN_S, ack())
+                        await ack()
                     except Exception as error:
                         if not is_outage(error):
                             raise
