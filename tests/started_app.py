@@ -1,7 +1,8 @@
 """A taskiq app for tests/test_started_semantics.py, run by ``taskiq worker``.
 
 Configured from the environment. Besides the drill's ``work`` task it has a
-poison task that SIGKILLs its own worker process (as an OOM kill would), and,
+poison task that SIGKILLs its own worker process (as an OOM kill would), one
+that does so at once, with no await before it, and,
 unless ``TAC_TEST_OLD_RELEASE`` is "1" (an older release of the app, as in a
 rolling deploy), ``NEW_TASK``.
 """
@@ -17,6 +18,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.drill_app import add_drill_task, events_stream
 
 POISON_TASK = "tests.started_app.poison"
+INSTANT_POISON_TASK = "tests.started_app.instant_poison"
 NEW_TASK = "tests.started_app.added_in_the_new_release"
 
 URL = os.environ.get("TAC_TEST_URL", "redis://127.0.0.1:6379")
@@ -40,6 +42,13 @@ async def poison(run_id: str) -> None:
     await events.xadd(
         events_stream(QUEUE), {"event": "poisoned", "run": run_id, "worker": WORKER}
     )
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@broker.task(task_name=INSTANT_POISON_TASK)
+async def instant_poison(run_id: str) -> None:
+    # Killed before the loop turns once more: only a start already handed
+    # to the kernel can count this crash.
     os.kill(os.getpid(), signal.SIGKILL)
 
 
