@@ -135,7 +135,7 @@ class PipelinedCalls:
         # calls still run, and one finding it missing loads it then.
         with contextlib.suppress(RedisError):
             await self.scripts.load(self.client)
-        connection = await self.pool.get_connection("FCALL")
+        connection = await self.pool.get_connection()
         transport = connection._writer.transport
         # drain() then waits until the kernel has all of it.
         transport.set_write_buffer_limits(high=0, low=0)
