@@ -139,12 +139,13 @@ def targets(results: dict[str, Any]) -> list[Row]:
     # values and back. Shown beside the goal, no goal of its own.
     floor_ratio = _vs(cpu, "atomic", LUA_FLOOR)
     floor_vs_bare = _vs(cpu, LUA_FLOOR)
+    # The Lua path's goal: a script cannot beat a pass-through script, so
+    # the claim is held to that floor, not to the bare command.
     out.append(
-        _target(
+        _at_most(
             f"atomic / {LUA_FLOOR} server us per claim cycle",
             floor_ratio,
-            "-",
-            None,
+            1.3,
             f"{LUA_FLOOR} (a script that only calls XAUTOCLAIM)"
             f" {_fmt(cpu.get(LUA_FLOOR))} us = "
             f"{_fmt(floor_vs_bare)} x bare",
@@ -166,7 +167,7 @@ def targets(results: dict[str, Any]) -> list[Row]:
             _at_most(
                 f"{NATIVE_CLAIM} / bare_xautoclaim server us per claim cycle",
                 native_cpu,
-                1.5,
+                1.0,
                 f"{NATIVE_CLAIM} {_fmt(cpu.get(NATIVE_CLAIM))} us, same run",
             )
         )
