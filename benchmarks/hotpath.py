@@ -393,7 +393,9 @@ def targets(part: dict[str, Any] | None) -> list[dict[str, Any]]:
     mine, theirs = rows.get(ATOMIC), rows.get(UPSTREAM)
     out = []
     for key, label, goal, higher in GOALS:
-        measured = ratio(mine[key], theirs[key]) if mine and theirs else float("nan")
+        measured = float("nan")
+        if mine and theirs and None not in (mine[key], theirs[key]):
+            measured = ratio(mine[key], theirs[key])
         ok = (
             None
             if measured != measured
