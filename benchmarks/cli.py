@@ -5,7 +5,8 @@ upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
 mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
 idle fleet costs the server), longest_calls (each operation's longest call
 in a mass recovery with large payloads), kicks (kick throughput with and
-without idempotent XADD).
+without idempotent XADD), hotpath (what every task pays: drain, worker
+CPU, round trips and server time per task, light-load latency).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from benchmarks import (
     fleet_idle,
     kicks,
     longest_calls,
+    hotpath,
     machine,
     mass_recovery,
     netpath,
@@ -54,6 +56,7 @@ PARTS = (
     "fleet_idle",
     "longest_calls",
     "kicks",
+    "hotpath",
 )
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
@@ -108,6 +111,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--parts",
         default=",".join(PARTS),
         help=f"comma-separated subset of: {','.join(PARTS)}",
+    )
+    parser.add_argument(
+        "--hotpath-before",
+        type=Path,
+        help="a source tree of another commit (git archive) run as one more"
+        " hotpath variant, atomic@before, in the same run",
     )
     args = parser.parse_args(argv)
     if args.plot:
@@ -257,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             if "kicks" in args.parts:
                 results["kicks"] = kicks.run(
                     server.url, mode.kick_messages, mode.kick_reps, log
+                )
+            if "hotpath" in args.parts:
+                results["hotpath"] = hotpath.run(
+                    server.url, server.port, mode, log, args.hotpath_before
                 )
     finally:
         if path is not None:

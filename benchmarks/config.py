@@ -173,6 +173,12 @@ class Mode:
     e2e_claim_interval: int = 500
     throughput_messages: int = 10_000
     throughput_reps: int = 5
+    # The hot path: tasks drained per repetition, repetitions, tasks drained
+    # through the turn-counting proxy, light-load tasks per repetition.
+    hotpath_tasks: int = 20_000
+    hotpath_reps: int = 3
+    hotpath_rt_tasks: int = 3000
+    hotpath_light: int = 200
     # Mass recovery (issue 14 part 2): orphans left by dead consumers, a live
     # fleet of workers x slots running tasks of task_s, new tasks kicked at a
     # steady rate; each broker's run is cut at mass_cap_s.
@@ -239,6 +245,10 @@ QUICK = Mode(
     e2e_give_up_s=5.0,
     throughput_messages=2000,
     throughput_reps=2,
+    hotpath_tasks=5000,
+    hotpath_reps=2,
+    hotpath_rt_tasks=1000,
+    hotpath_light=100,
     mass_orphans=2000,
     # With 0.1 s tasks, 10 slots run 100 tasks/s per worker, as a default
     # worker's 100 slots do with the full run's 1 s tasks (floor 5 s).
@@ -280,6 +290,11 @@ SMOKE = Mode(
     e2e_claim_interval=250,
     throughput_messages=300,
     throughput_reps=1,
+    hotpath_tasks=200,
+    hotpath_reps=1,
+    # No round-trip drain: the smoke run stays short.
+    hotpath_rt_tasks=0,
+    hotpath_light=5,
     mass_orphans=300,
     mass_dead=3,
     mass_workers=2,

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import hotpath
 from benchmarks.stats import ratio
 from benchmarks.variants import CYCLE_VARIANTS, LUA_FLOOR, NATIVE_CLAIM, VARIANTS
 
@@ -138,12 +139,13 @@ def targets(results: dict[str, Any]) -> list[Row]:
     # values and back. Shown beside the goal, no goal of its own.
     floor_ratio = _vs(cpu, "atomic", LUA_FLOOR)
     floor_vs_bare = _vs(cpu, LUA_FLOOR)
+    # The Lua path's goal: a script cannot beat a pass-through script, so
+    # the claim is held to that floor, not to the bare command.
     out.append(
-        _target(
+        _at_most(
             f"atomic / {LUA_FLOOR} server us per claim cycle",
             floor_ratio,
-            "-",
-            None,
+            1.3,
             f"{LUA_FLOOR} (a script that only calls XAUTOCLAIM)"
             f" {_fmt(cpu.get(LUA_FLOOR))} us = "
             f"{_fmt(floor_vs_bare)} x bare",
@@ -165,7 +167,7 @@ def targets(results: dict[str, Any]) -> list[Row]:
             _at_most(
                 f"{NATIVE_CLAIM} / bare_xautoclaim server us per claim cycle",
                 native_cpu,
-                1.5,
+                1.0,
                 f"{NATIVE_CLAIM} {_fmt(cpu.get(NATIVE_CLAIM))} us, same run",
             )
         )
@@ -286,6 +288,7 @@ def targets(results: dict[str, Any]) -> list[Row]:
     )
     out += _mass_targets(results.get("mass_recovery", []))
     out += _idle_targets(results)
+    out.extend(hotpath.targets(results.get("hotpath")))
     return out
 
 
@@ -608,6 +611,18 @@ def render(results: dict[str, Any]) -> str:
                     ]
                     for r in results["throughput"]
                 ),
+            )
+        )
+    if results.get("hotpath"):
+        hot = results["hotpath"]
+        parts.append(
+            f"Hot path ({hot['settings']['tasks']} no-op tasks drained by one"
+            " taskiq worker, --max-async-tasks 32 --max-prefetch 32; medians of"
+            f" {hot['settings']['reps']} reps; light load: one task every"
+            f" {hot['settings']['light_every_ms']:.0f} ms)\n"
+            + table(
+                [label for label, _ in hotpath.COLUMNS],
+                ([r[key] for _, key in hotpath.COLUMNS] for r in hot["rows"]),
             )
         )
     if results.get("mass_recovery"):

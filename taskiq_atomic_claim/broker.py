@@ -123,6 +123,9 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
         self._client: Redis | None = None
         self._init_reclaim(claim_settings)
 
+    # Its pool lives as long as the broker: starts and acks go pipelined.
+    pipelines_calls = True
+
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
         # One client over the parent's pool, made once: building a Redis
         # object costs about as much as a round trip, and every ack and task

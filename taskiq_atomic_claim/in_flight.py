@@ -35,6 +35,7 @@ from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import drop_idle_connections
@@ -84,6 +85,8 @@ class InFlight:
         self._by_task: dict[asyncio.Task[Any], Delivery] = {}
         self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
         self._start_flush: asyncio.Task[None] | None = None
+        # Where starts go without an awaited reply (standalone servers).
+        self.pipelined: PipelinedCalls | None = None
 
     # The held set, per stream.
 
@@ -153,6 +156,9 @@ class InFlight:
         """
         if self.settings.max_deliveries == 0 or delivery.started:
             return  # nothing counts crashes: no key, no round trip
+        if self.pipelined is not None:
+            await self._pipeline_start(delivery)
+            return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
         if self._start_flush is None or self._start_flush.done():
@@ -160,15 +166,28 @@ class InFlight:
         try:
             await waiter
         except Exception as error:
-            # Run it anyway: a start not counted only makes a crash go
-            # uncounted, never dead-letters anything that did not crash.
-            logger.warning(
-                "Could not record the start of entry %s of stream %r (a crash"
-                " running it will not count toward max_deliveries): %s",
-                delivery.entry_id,
-                delivery.stream,
-                error,
-            )
+            _start_not_recorded(delivery, error)
+
+    async def _pipeline_start(self, delivery: Delivery) -> None:
+        """Written, not answered: once the kernel has it, the start reaches
+        the server even if this process dies right after."""
+        assert self.pipelined is not None
+        keys = StreamKeys(delivery.stream, self.group)
+        call = self.pipelined.submit(
+            START, [keys.started], [self.started_ttl, delivery.entry_id]
+        )
+        try:
+            await call.written
+        except Exception as error:
+            _start_not_recorded(delivery, error)
+            return
+        delivery.started = True
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            if not reply.cancelled() and reply.exception() is not None:
+                _start_not_recorded(delivery, reply.exception())
+
+        call.reply.add_done_callback(answered)
 
     async def _flush_starts(self, connect: Connect) -> None:
         # Let the callbacks scheduled beside this one reach their start too.
@@ -330,6 +349,9 @@ class InFlight:
         """Set the idle time of ``held`` (idle_timeout: claimable at once), take
         back their starts (a shutdown is no crash), forget them; count owned."""
         handed = 0
+        if self.pipelined is not None:
+            # Its starts on the server before they are taken back.
+            await self.pipelined.settled()
         for stream, in_stream in _by_stream(held):
             keys = StreamKeys(stream, self.group)
             for start in range(0, len(in_stream), SCRIPT_BATCH):
@@ -364,6 +386,18 @@ async def _contained(what: str, step: Awaitable[None]) -> None:
             what,
             error,
         )
+
+
+def _start_not_recorded(delivery: Delivery, error: BaseException | None) -> None:
+    # The task runs anyway: a start not counted only makes a crash go
+    # uncounted, never dead-letters anything that did not crash.
+    logger.warning(
+        "Could not record the start of entry %s of stream %r (a crash"
+        " running it will not count toward max_deliveries): %s",
+        delivery.entry_id,
+        delivery.stream,
+        error,
+    )
 
 
 def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[Delivery]]]:

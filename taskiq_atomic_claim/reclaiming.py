@@ -24,7 +24,7 @@ from taskiq.abc.result_backend import AsyncResultBackend
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
-from taskiq_atomic_claim.delivery import EntryData
+from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
 from taskiq_atomic_claim.in_flight import InFlight
@@ -33,6 +33,7 @@ from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
 from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -73,6 +74,10 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
 
     claim_settings: ClaimSettings
     scripts: ScriptRunner
+    # Whether starts and acks go pipelined over one connection of the
+    # listen client's pool (see pipelined.py): only where that pool lives as
+    # long as the broker.
+    pipelines_calls = False
 
     def _init_reclaim(self, claim_settings: ClaimSettings) -> None:
         self.claim_settings = claim_settings
@@ -131,6 +136,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         # lasts until a claim works again, not until the next read.
         claim_refused = claiming = False
         async with self._connection() as client:
+            self._pipeline_over(client)
             while True:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
@@ -226,6 +232,12 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         await outage.wait(error)
         return False
 
+    def _pipeline_over(self, client: Any) -> None:
+        if self.pipelines_calls and self.in_flight.pipelined is None:
+            pipelined = PipelinedCalls(self.scripts, client)
+            if pipelined.available:
+                self.in_flight.pipelined = pipelined
+
     def _begin_listening(self) -> None:
         """What a new listen() (one new connection) starts from."""
         self._listened = True
@@ -309,8 +321,26 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         """XACK and forget the entry's start count in one round trip; an
         entry taskiq could not parse goes to dead letters instead."""
 
+        keys = StreamKeys(stream, self.consumer_group_name)
+        ack_args: list[str | int] = [
+            self.consumer_group_name,
+            entry_id,
+            int(self.claim_settings.delete_acked),
+        ]
+
         async def ack() -> None:
             delivery = self.in_flight.get(stream, entry_id)
+            plain = delivery is None or (
+                delivery.unknown_task is None and delivery.unparsable is None
+            )
+            pipelined = self.in_flight.pipelined
+            if plain and pipelined is not None:
+                # Bounded by the pipeline's own reply deadline.
+                await pipelined.call(ACK, [stream, keys.started], ack_args)
+                return
+            await within(REPLY_MARGIN_S, awaited_ack(delivery))
+
+        async def awaited_ack(delivery: Delivery | None) -> None:
             async with self._connection() as client:
                 if delivery is not None and delivery.unknown_task is not None:
                     await self.in_flight.decline(client, delivery)
@@ -320,17 +350,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
                         client, delivery, delivery.unparsable
                     )
                     return
-                keys = StreamKeys(stream, self.consumer_group_name)
-                await self.scripts.call(
-                    client,
-                    ACK,
-                    [stream, keys.started],
-                    [
-                        self.consumer_group_name,
-                        entry_id,
-                        int(self.claim_settings.delete_acked),
-                    ],
-                )
+                await self.scripts.call(client, ACK, [stream, keys.started], ack_args)
 
         return ack
 
@@ -348,7 +368,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             try:
                 while True:
                     try:
-                        await within(REPLY_MARGIN_S, ack())
+                        await ack()
                     except Exception as error:
                         if not is_outage(error):
                             raise

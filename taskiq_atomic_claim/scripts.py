@@ -264,6 +264,18 @@ class ScriptRunner:
             self._server = await read_server_info(client)
         return self._server
 
+    @property
+    def known_server(self) -> ServerInfo | None:
+        """The server as last read, if it was: no round trip."""
+        return self._server
+
+    def note_reload(self) -> None:
+        """An operation went missing and is loaded again (not a first load)."""
+        if self._loaded:
+            self.reloads += 1
+            if self._on_reload is not None:
+                self._on_reload()
+
     def forget_server(self) -> None:
         """The server may have changed (a restart on another binary, a
         failover): read it again at the next call."""
@@ -347,10 +359,7 @@ class ScriptRunner:
         async with self._load_lock:
             if self._loads != loads_before:
                 return
-            if self._loaded:
-                self.reloads += 1
-                if self._on_reload is not None:
-                    self._on_reload()
+            self.note_reload()
             await self.load(client)
             self._loads += 1
 

@@ -2,10 +2,11 @@
 
 Configured from the environment. Besides the drill's ``work`` task it has a
 poison task that SIGKILLs its own worker process (as an OOM kill would), one
-that does so until a "cure" is posted (``cure_stream``), and, unless
-``TAC_TEST_OLD_RELEASE`` is "1" (an older release of the app, as in a
-rolling deploy), ``NEW_TASK``. With ``TAC_TEST_RESULTS_URL`` it stores
-results there (taskiq-redis' result backend, one minute).
+that does so until a "cure" is posted (``cure_stream``), one that does so at
+once, with no await before it, and, unless ``TAC_TEST_OLD_RELEASE`` is "1"
+(an older release of the app, as in a rolling deploy), ``NEW_TASK``. With
+``TAC_TEST_RESULTS_URL`` it stores results there (taskiq-redis' result
+backend, one minute).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from taskiq_atomic_claim.harness.drill_app import add_drill_task, events_stream
 
 POISON_TASK = "tests.started_app.poison"
 POISON_UNTIL_CURED_TASK = "tests.started_app.poison_until_cured"
+INSTANT_POISON_TASK = "tests.started_app.instant_poison"
 NEW_TASK = "tests.started_app.added_in_the_new_release"
 
 URL = os.environ.get("TAC_TEST_URL", "redis://127.0.0.1:6379")
@@ -61,6 +63,11 @@ async def poison_until_cured(run_id: str) -> str:
         return f"{run_id} cured"
     await poison(run_id)
     return "unreachable"
+@broker.task(task_name=INSTANT_POISON_TASK)
+async def instant_poison(run_id: str) -> None:
+    # Killed before the loop turns once more: only a start already handed
+    # to the kernel can count this crash.
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if os.environ.get("TAC_TEST_OLD_RELEASE") != "1":

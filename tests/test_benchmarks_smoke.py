@@ -75,6 +75,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         "fleet_idle",
         "longest_calls",
         "kicks",
+        "hotpath",
         "targets",
     ):
         assert results.get(key), f"missing or empty: {key}"
@@ -167,7 +168,10 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         for target in targets.values()
     )
     floor = targets["atomic / lua_xautoclaim server us per claim cycle"]
-    assert floor["result"] == "info" and floor["measured"] > 0
+    assert floor["result"] in ("PASS", "MISS") and floor["goal"] == "<= 1.3"
+    assert floor["measured"] > 0
+    hot = [t for name, t in targets.items() if name.startswith("hot path: ")]
+    assert len(hot) == 6
     for name in (
         "atomic / bare_xautoclaim server us per claim cycle",
         "mass recovery: drain time / execution floor (defaults)",

@@ -37,7 +37,12 @@ from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
-from tests.started_app import POISON_TASK, POISON_UNTIL_CURED_TASK, cure_stream
+from tests.started_app import (
+    INSTANT_POISON_TASK,
+    POISON_TASK,
+    POISON_UNTIL_CURED_TASK,
+    cure_stream,
+)
 from tests.test_broker import message
 from tests.test_reliability import started
 
@@ -246,6 +251,26 @@ async def test_a_poison_task_alone_reaches_the_dead_letters(
         assert dead[0].reason == "max_deliveries exceeded"
         assert dead[0].deliveries == 2
         assert poisoned == ["poison", "poison"], "ran once per allowed crash"
+        assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
+
+
+async def test_a_task_that_kills_its_worker_at_once_is_counted(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # The start is not awaited to the server's reply: it counts once its
+    # write is in the kernel, which a SIGKILL right after does not undo.
+    async with fresh_queue(server, redis, tmp_path, max_deliveries=2) as queue:
+        await queue.kick(INSTANT_POISON_TASK, "instant")
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w", "--max-async-tasks", "1"))
+            deadline = time.monotonic() + 60
+            while not (dead := await queue.dead_letters(redis)):
+                assert time.monotonic() < deadline, "never dead-lettered"
+                await asyncio.sleep(0.2)
+            stop_gracefully(workers[-1])
+        assert len(dead) == 1
+        assert dead[0].reason == "max_deliveries exceeded"
+        assert dead[0].deliveries == 2
         assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
 
 

@@ -1,0 +1,427 @@
+"""The hot path: what every task pays, with dead-lettering on and off.
+
+One real ``taskiq worker`` (one process, ``--max-async-tasks 32
+--max-prefetch 32``, xread_count 32) per broker variant, started on a queue
+where ``tasks`` no-op tasks wait. Per variant, interleaved (the order
+rotates every repetition), medians reported:
+
+- drain: from the worker's first read to nothing left unread or pending
+  (polled every ``_POLL_S``), and the worker process's CPU over that time
+  (``/proc``), per 1k tasks;
+- server time per task: INFO commandstats over the drain, outer commands
+  only (a script's nested commands are inside its FCALL/EVALSHA figure;
+  the poller's and the worker's one-off startup commands left out), and the
+  server process's CPU per task beside it;
+- round trips per task: a smaller drain with the worker connected through
+  the turn-counting proxy (every connection it opens), counted from its
+  first read to the end;
+- light load: after the drain, one task every 20 ms to the now idle
+  worker, kick-to-start delay (the task's wall clock minus the kick's), p50
+  and p99 over every repetition's tasks.
+
+``before``: a source tree (``git archive`` of an older commit) to run as
+one more variant, "atomic@before", in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from benchmarks.config import REPO_ROOT
+from benchmarks.counting_proxy import TurnCountingProxy
+from benchmarks.server_cpu import stat_bases
+from benchmarks.stats import p50, percentile, ratio
+
+UPSTREAM = "upstream_1_2_4"
+ATOMIC = "atomic"
+ATOMIC_NONE = "atomic_none"
+STREAMS = "taskiq_redis_streams_0_2"
+BEFORE = "atomic@before"
+# Variant -> the app's HOTPATH_BROKER.
+_KINDS = {
+    UPSTREAM: "upstream",
+    ATOMIC: "atomic",
+    ATOMIC_NONE: "atomic_none",
+    STREAMS: "streams",
+    BEFORE: "atomic",
+}
+_SLOTS = "32"
+_POLL_S = 0.02
+_LIGHT_EVERY_S = 0.02
+# Not the worker's per-task work: its startup, the harness's polling.
+_NOT_HOT = {
+    "xinfo", "xpending", "config", "info", "ping", "client", "hello", "xgroup",
+    "function", "script", "xadd", "type", "exists", "select", "del", "command",
+}  # fmt: skip
+# Outer commands of every variant: a script's usec holds what it ran.
+_OUTER = {"xreadgroup", "fcall", "evalsha", "eval", "fcall_ro"}
+_OURS = {ATOMIC, ATOMIC_NONE, BEFORE}
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def variants(before: Path | None) -> list[str]:
+    found = [ATOMIC, ATOMIC_NONE, UPSTREAM]
+    with contextlib.suppress(ImportError):
+        import taskiq_redis_streams  # type: ignore[import-not-found]  # noqa: F401, PLC0415
+
+        found.append(STREAMS)
+    if before is not None:
+        found.append(BEFORE)
+    return found
+
+
+def _message(task_name: str, args: list[Any]) -> bytes:
+    return json.dumps(
+        {
+            "task_id": uuid.uuid4().hex,
+            "task_name": task_name,
+            "labels": {},
+            "labels_types": {},
+            "args": args,
+            "kwargs": {},
+        }
+    ).encode()
+
+
+async def _prepare(url: str, queue: str, tasks: int) -> None:
+    admin = Redis.from_url(url)
+    try:
+        await admin.delete(queue)
+        await admin.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+        for first in range(0, tasks, 1000):
+            async with admin.pipeline(transaction=False) as pipe:
+                for _ in range(first, min(first + 1000, tasks)):
+                    pipe.xadd(queue, {"data": _message("bench.noop", [])})
+                await pipe.execute()
+    finally:
+        await admin.aclose()
+
+
+def _worker(
+    variant: str, url: str, queue: str, before: Path | None, latency_file: str = ""
+) -> subprocess.Popen[bytes]:
+    tree = before if variant == BEFORE and before is not None else REPO_ROOT
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tree}{os.pathsep}{REPO_ROOT}",
+        "HOTPATH_BROKER": _KINDS[variant],
+        "HOTPATH_URL": url,
+        "HOTPATH_QUEUE": queue,
+        "HOTPATH_COUNT": _SLOTS,
+        "HOTPATH_LATENCY_FILE": latency_file,
+    }
+    taskiq = Path(sys.executable).with_name("taskiq")
+    command = [str(taskiq)] if taskiq.exists() else [sys.executable, "-m", "taskiq"]
+    # fmt: off
+    arguments = [
+        *command, "worker", "benchmarks.hotpath_app:broker",
+        "--workers", "1",
+        "--max-async-tasks", _SLOTS,
+        "--max-prefetch", _SLOTS,
+        "--log-level", "WARNING",
+    ]
+    # fmt: on
+    return subprocess.Popen(
+        arguments,
+        env=env,
+        cwd=tree,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    # Measured already; its queue is deleted after it, so no need to wait
+    # for a graceful shutdown.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _cpu_s(pid: int) -> float:
+    """The process's CPU (user + system), seconds; its taskiq worker child's
+    when it is ``taskiq worker``'s manager."""
+    total = 0.0
+    for each in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLK
+    return total
+
+
+async def _group(admin: Redis, queue: str) -> dict[str, Any]:
+    groups = await admin.xinfo_groups(queue)
+    return next(g for g in groups if g["name"] in (b"taskiq", "taskiq"))
+
+
+async def _wait_first_read(admin: Redis, queue: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        group = await _group(admin, queue)
+        if int(group.get("entries-read") or 0) > 0:
+            return
+        await asyncio.sleep(_POLL_S / 4)
+    raise RuntimeError("the worker never read")
+
+
+async def _wait_drained(admin: Redis, queue: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        group = await _group(admin, queue)
+        if int(group["pending"]) == 0 and int(group.get("lag") or 0) == 0:
+            return
+        await asyncio.sleep(_POLL_S)
+    raise RuntimeError("not drained in time")
+
+
+def _server_usec(stats: dict[str, tuple[int, int]], variant: str) -> float:
+    """Outer commands' usec. A script's (or MULTI's) usec holds what it ran,
+    which commandstats also counts on its own line: for this package's
+    variants every command but the read runs inside a script; the other
+    brokers' XACK is their own (what their lock scripts run inside them is
+    left out, which only flatters them)."""
+    outer = _OUTER if variant in _OURS else _OUTER | {"xack", "exec"}
+    return float(sum(usec for name, (_, usec) in stats.items() if name in outer))
+
+
+async def _server_cpu(admin: Redis) -> float:
+    info = await admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def _drain(
+    variant: str, url: str, mode: Any, before: Path | None, rep: int
+) -> tuple[dict[str, Any], list[float]]:
+    """The drain's figures; then, the same worker idle, the light load's
+    kick-to-start delays (ms)."""
+    tasks = mode.hotpath_tasks
+    queue = f"bench-hotpath-{variant}-{rep}"
+    await _prepare(url, queue, tasks)
+    admin = Redis.from_url(url)
+    await admin.config_resetstat()
+    with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
+        worker = _worker(variant, url, queue, before, out.name)
+        try:
+            deadline = time.monotonic() + 60 + tasks / 200
+            await _wait_first_read(admin, queue, deadline)
+            began, cpu0 = time.monotonic(), _cpu_s(worker.pid)
+            server0 = await _server_cpu(admin)
+            await _wait_drained(admin, queue, deadline)
+            wall, cpu1 = time.monotonic() - began, _cpu_s(worker.pid)
+            server1 = await _server_cpu(admin)
+            stats = stat_bases(await admin.info("commandstats"))
+            await _light(admin, queue, mode.hotpath_light, Path(out.name))
+        finally:
+            _stop(worker)
+            await admin.delete(queue)
+            await admin.aclose()
+        delays = Path(out.name).read_text().split()  # noqa: ASYNC240
+    figures = {
+        "drain_s": wall,
+        "tasks_per_s": tasks / wall,
+        "worker_cpu_per_1k_s": (cpu1 - cpu0) / tasks * 1000,
+        "server_usec_per_task": _server_usec(stats, variant) / tasks,
+        "server_cpu_usec_per_task": (server1 - server0) / tasks * 1e6,
+    }
+    hot = {k: v for k, v in stats.items() if k not in _NOT_HOT}
+    return figures | {"commandstats": hot}, [float(line) * 1000 for line in delays]
+
+
+@contextlib.contextmanager
+def _proxy(port: int) -> Iterator[TurnCountingProxy]:
+    """The turn-counting proxy, on an event loop of its own thread."""
+    loop = asyncio.new_event_loop()
+    proxy = TurnCountingProxy(port)
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(proxy.__aenter__())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ready.wait(10)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.__aexit__(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+async def _round_trips(
+    variant: str, url: str, port: int, tasks: int, before: Path | None
+) -> float:
+    queue = f"bench-hotpath-rt-{variant}"
+    await _prepare(url, queue, tasks)
+    admin = Redis.from_url(url)
+    try:
+        with _proxy(port) as proxy:
+            worker = _worker(variant, proxy.url, queue, before)
+            try:
+                deadline = time.monotonic() + 60 + tasks / 50
+                await _wait_first_read(admin, queue, deadline)
+                proxy.reset()
+                await _wait_drained(admin, queue, deadline)
+                turns = proxy.turns
+            finally:
+                _stop(worker)
+    finally:
+        await admin.delete(queue)
+        await admin.aclose()
+    return turns / tasks
+
+
+async def _light(admin: Redis, queue: str, tasks: int, out: Path) -> None:
+    """One task every 20 ms to the idle worker; each appends its delay to
+    ``out``."""
+    deadline = time.monotonic() + 30 + tasks * _LIGHT_EVERY_S
+    # Idle: its read blocks.
+    while time.monotonic() < deadline:
+        if int((await admin.info("clients"))["blocked_clients"]) > 0:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # past the drain's last acks
+    for _ in range(tasks):
+        await admin.xadd(queue, {"data": _message("bench.timed", [time.time()])})
+        await asyncio.sleep(_LIGHT_EVERY_S)
+    while time.monotonic() < deadline:
+        if len(out.read_text().split()) >= tasks:  # noqa: ASYNC240
+            return
+        await asyncio.sleep(0.05)
+
+
+def _summary(variant: str, drains: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"variant": variant, "reps": len(drains)}
+    # (calls, usec) per command over each drain, for reading the figure.
+    row["each_commandstats"] = [d.pop("commandstats") for d in drains]
+    for key in drains[0]:
+        row[key] = round(p50([d[key] for d in drains]), 3)
+        row[f"each_{key}"] = [round(d[key], 3) for d in drains]
+    return row
+
+
+def run(
+    url: str, port: int, mode: Any, log: Any, before: Path | None = None
+) -> dict[str, Any]:
+    names = variants(before)
+    drains: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+    light: dict[str, list[float]] = {v: [] for v in names}
+    for rep in range(mode.hotpath_reps):
+        # Rotate who goes first, so none always runs on a warmer server.
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for variant in order:
+            log(f"hotpath: drain {mode.hotpath_tasks} tasks, {variant}, rep {rep + 1}")
+            figures, delays = asyncio.run(_drain(variant, url, mode, before, rep))
+            drains[variant].append(figures)
+            light[variant].extend(delays)
+    rows = []
+    for variant in names:
+        log(f"hotpath: round trips, {variant}")
+        row = _summary(variant, drains[variant])
+        row["round_trips_per_task"] = (
+            round(
+                asyncio.run(
+                    _round_trips(variant, url, port, mode.hotpath_rt_tasks, before)
+                ),
+                3,
+            )
+            if mode.hotpath_rt_tasks
+            else None
+        )
+        row["light_tasks"] = len(light[variant])
+        row["light_p50_ms"] = round(p50(light[variant]), 3)
+        row["light_p99_ms"] = round(percentile(light[variant], 99), 3)
+        rows.append(row)
+    return {
+        "settings": {
+            "tasks": mode.hotpath_tasks,
+            "reps": mode.hotpath_reps,
+            "round_trip_tasks": mode.hotpath_rt_tasks,
+            "light_tasks_per_rep": mode.hotpath_light,
+            "light_every_ms": _LIGHT_EVERY_S * 1000,
+            "max_async_tasks": int(_SLOTS),
+            "max_prefetch": int(_SLOTS),
+            "xread_count": int(_SLOTS),
+        },
+        "rows": rows,
+    }
+
+
+# Goals for this package with defaults against upstream: (key, label, goal,
+# whether higher is better).
+GOALS = (
+    ("tasks_per_s", "drain rate", 1.3, True),
+    ("worker_cpu_per_1k_s", "worker CPU per 1k tasks", 0.75, False),
+    ("round_trips_per_task", "round trips per task", 1.0, False),
+    ("server_usec_per_task", "server us per task (commandstats)", 1.2, False),
+    ("light_p50_ms", "light-load kick-to-start p50", 1.0, False),
+    ("light_p99_ms", "light-load kick-to-start p99", 1.0, False),
+)
+
+
+def targets(part: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not part:
+        return []
+    rows = {r["variant"]: r for r in part["rows"]}
+    mine, theirs = rows.get(ATOMIC), rows.get(UPSTREAM)
+    out = []
+    for key, label, goal, higher in GOALS:
+        measured = float("nan")
+        if mine and theirs and None not in (mine[key], theirs[key]):
+            measured = ratio(mine[key], theirs[key])
+        ok = (
+            None
+            if measured != measured
+            else (measured >= goal if higher else measured <= goal)
+        )
+        out.append(
+            {
+                "target": f"hot path: {label}, atomic (defaults) / upstream",
+                "measured": None if ok is None else round(measured, 3),
+                "goal": f"{'>=' if higher else '<='} {goal}",
+                "result": "not measured" if ok is None else "PASS" if ok else "MISS",
+                "note": f"medians: atomic {mine[key] if mine else '-'},"
+                f" upstream {theirs[key] if theirs else '-'}",
+            }
+        )
+    return out
+
+
+COLUMNS = (
+    ("variant", "variant"),
+    ("drain s", "drain_s"),
+    ("tasks/s", "tasks_per_s"),
+    ("worker CPU s/1k", "worker_cpu_per_1k_s"),
+    ("round trips/task", "round_trips_per_task"),
+    ("server us/task", "server_usec_per_task"),
+    ("server CPU us/task", "server_cpu_usec_per_task"),
+    ("light p50 ms", "light_p50_ms"),
+    ("light p99 ms", "light_p99_ms"),
+)
