@@ -63,6 +63,8 @@ async def poison_until_cured(run_id: str) -> str:
         return f"{run_id} cured"
     await poison(run_id)
     return "unreachable"
+
+
 @broker.task(task_name=INSTANT_POISON_TASK)
 async def instant_poison(run_id: str) -> None:
     # Killed before the loop turns once more: only a start already handed
