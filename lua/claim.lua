@@ -121,13 +121,13 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
       if entry then
         move_to_dead_letters(stream, dead_letters, group, id, entry[2], crash_count,
           "max_deliveries exceeded", delete_acked)
+        redis.call("HDEL", started, id)
         dead_lettered[#dead_lettered + 1] = id
       else
-        -- Redis 6.2: gone from the stream, still pending.
-        redis.call("XACK", stream, group, id)
-        trimmed[#trimmed + 1] = id
+        -- Redis 6.2: claimed though gone from the stream; the caller's
+        -- XCLAIM finds it gone and acks it, as any other.
+        claimed[#claimed + 1] = {id, crash_count}
       end
-      redis.call("HDEL", started, id)
     elseif max_deliveries > 0 then
       claimed[#claimed + 1] = {id, crash_count}
     else
