@@ -13,10 +13,11 @@ arguments and in the shape the broker does:
    sweep where reads reclaim); before it, as a baseline, the same pages
    with each entry's existence tested by XRANGE id id, which reads the
    entry in full (what the sweep did before, and does on Redis 6.2);
-2. claim.lua takes the idle entries, ``batch`` a call, until none is left;
-   start records each batch's ids; set_idle (the heartbeat) and hand_back
-   (a graceful shutdown) go over what it holds, 1000 ids a call, as the
-   broker sends them;
+2. claim.lua takes the idle entries, ``batch`` a call, until none is left,
+   each call followed by the XCLAIM that fetches the claimed entries'
+   fields (timed on its own); start records each batch's ids; set_idle
+   (the heartbeat) and hand_back (a graceful shutdown) go over what it
+   holds, 1000 ids a call, as the broker sends them;
 3. the reads alone, each over the handed-back entries, ``batch`` a call,
    then handed back again: XAUTOCLAIM (the read inside claim.lua) and,
    where reads reclaim (Redis >= 8.4), XREADGROUP ... CLAIM: what the
@@ -80,6 +81,10 @@ end
 return {next_start, gone}
 """
 BARE_READ = "XAUTOCLAIM"
+# The claim's second call: the XCLAIM that fetches the claimed entries.
+CLAIM_FETCH = "claim's XCLAIM (fields)"
+# Slow-log entries read after a claim: its nested commands and its XCLAIMs.
+SLOWLOG_LEN = 128
 _T = TypeVar("_T")
 
 
@@ -100,6 +105,35 @@ class Timings:
         if not command.upper().startswith(expected.upper()):
             raise RuntimeError(f"slow log: wanted {expected!r}, got {command[:80]!r}")
         self.us.setdefault(name, []).append(int(entries[0]["duration"]))
+        return reply
+
+    async def claim(self, call: Awaitable[_T]) -> _T:
+        """Await a claim (``claim_streams``) and record its script and each
+        XCLAIM that then fetched the claimed entries' fields, on its own."""
+        invocation = (await self.invocation("claim")).upper()
+        newest: Any = await self.client.slowlog_get(1)
+        after = int(newest[0]["id"]) if newest else -1
+        reply = await call
+        logged: Any = await self.client.slowlog_get(SLOWLOG_LEN)
+        calls = [
+            entry
+            for entry in reversed(logged)
+            if int(entry["id"]) > after
+            and not text(entry["command"]).upper().startswith("SLOWLOG")
+        ]
+        scripts = [
+            i
+            for i, entry in enumerate(calls)
+            if text(entry["command"]).upper().startswith(invocation)
+        ]
+        if len(scripts) != 1:
+            raise RuntimeError(f"slow log: wanted one {invocation!r}")
+        self.us.setdefault("claim", []).append(int(calls[scripts[0]]["duration"]))
+        for entry in calls[scripts[0] + 1 :]:
+            command = text(entry["command"])
+            if not command.upper().startswith("XCLAIM"):
+                raise RuntimeError(f"slow log: wanted XCLAIM, got {command[:80]!r}")
+            self.us.setdefault(CLAIM_FETCH, []).append(int(entry["duration"]))
         return reply
 
     async def script(
@@ -184,10 +218,8 @@ async def recover(
 
     held: list[str] = []
     for _ in range(bound):
-        (outcome,) = await timings.timed(
-            "claim",
-            await timings.invocation("claim"),
-            claim_streams(runner, client, [keys], ALIVE, settings),
+        (outcome,) = await timings.claim(
+            claim_streams(runner, client, [keys], ALIVE, settings)
         )
         ids = [entry.id for entry in outcome.entries]
         if ids:
@@ -303,6 +335,7 @@ async def _run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
     payload = b"x" * mode.longest_payload
     config: Any = await client.config_get("slowlog-*")
     await client.config_set("slowlog-log-slower-than", 0)
+    await client.config_set("slowlog-max-len", SLOWLOG_LEN)
     rows = []
     try:
         for batch in mode.longest_batches:

@@ -30,12 +30,15 @@
   Returns one reply per stream, in KEYS order, each one of
     {"skipped", holder, lease_pttl_ms}
         another consumer holds the lease; nothing was claimed.
-    {"claimed", next_cursor, {{id, {field, value, ...}, crashes}, ...},
+    {"claimed", next_cursor, {{id, crashes}, ...},
      {trimmed_id, ...}, {{dead_lettered_id, data}, ...}, full}
-        entries now owned by ARGV[2], each with its crashes (starts in
-        workers that died running it; left out when ARGV[6] is 0); trimmed
-        ids were pending but their stream entry is gone (trimmed or XDEL'd)
-        and were removed from the PEL;
+        ids of the entries now owned by ARGV[2], without their fields (the
+        caller fetches those with XCLAIM; see below), each with its crashes
+        (starts in workers that died running it; left out when ARGV[6] is
+        0); trimmed ids were pending but their stream entry is gone
+        (trimmed or XDEL'd) and were removed from the PEL (Redis 6.2 lists
+        such ids among the claimed ones: the caller's XCLAIM finds them
+        gone);
         dead-lettered ids reached max_deliveries crashes, were copied to the
         dead letters and acked (with ARGV[7] "1" also deleted from the
         stream once no group still needs them), and their start counts
@@ -47,6 +50,12 @@
     {"failed", error}
         XAUTOCLAIM refused (e.g. NOGROUP); nothing changed for this stream.
 
+  The claim leaves the delivery count as it is (XAUTOCLAIM ... JUSTID) and
+  reads no entry's fields but those of entries it dead-letters: the
+  caller's XCLAIM <stream> <group> <consumer> 0 <id ...> fetches them and
+  raises the count. Nothing else claims them in between: the claim made
+  them idle for 0 ms.
+
   Invariant: the lease and the cursor key never exist without an expiry,
   whatever wrote them. The script runs atomically, so no client crash can
   leave the lease half-taken: either the claim and the lease both happened
@@ -55,7 +64,6 @@
 
 --- @include "call_chunked"
 --- @include "move_to_dead_letters"
---- @include "drop_if_data_gone"
 
 local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, lease_ms, cursor_ttl_ms = ARGV[3], ARGV[4], ARGV[5]
@@ -77,10 +85,14 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
 
   local cursor = redis.call("GET", cursor_key)
   local start = cursor or "0-0"
-  -- pcall: a stream that fails (say NOGROUP) must not take down the replies
-  -- of streams claimed before it, whose entries are the caller's now.
+  -- JUSTID: no entry's fields pass through Lua (each would be converted to
+  -- Lua values and back, blocking the server far longer than the read it
+  -- serves); the caller fetches them with XCLAIM, which also raises the
+  -- delivery count that JUSTID leaves as it is. pcall: a stream that fails
+  -- (say NOGROUP) must not take down the replies of streams claimed before
+  -- it, whose entries are the caller's now.
   local reply = redis.pcall("XAUTOCLAIM", stream, group, consumer, min_idle_ms, start,
-    "COUNT", count)
+    "COUNT", count, "JUSTID")
   if reply.err then
     return {"failed", reply.err}
   end
@@ -88,65 +100,40 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
   local found = reply[2]
   local full = #found >= tonumber(count)
 
-  -- Redis 6.2 returns a nil (false in Lua) in place of an entry that is
-  -- gone from the stream and leaves it in the PEL; 7.x lists it in reply[3].
-  local saw_vanished_entry = false
-  for i = 1, #found do
-    if not found[i] then
-      saw_vanished_entry = true
-      break
-    end
-  end
-  local present = found
-  if saw_vanished_entry then
-    present = {}
-    for _, entry in ipairs(found) do
-      if entry then
-        present[#present + 1] = entry
-      end
-    end
-  end
+  -- 7.x lists the pending ids whose entry is gone from the stream in
+  -- reply[3] and removes them from the PEL. Redis 6.2 lists them among the
+  -- claimed ids: the caller's XCLAIM finds them gone and acks them.
+  local trimmed = reply[3] or {}
+  call_chunked({"HDEL", started}, trimmed, {})
 
-  local claimed, trimmed, dead_lettered = present, {}, {}
+  local claimed, dead_lettered = {}, {}
   -- One hash read for the whole batch, and only if dead lettering is on:
   -- how often each entry's task started in a worker that then died without
   -- acking it (or handing it back).
-  if max_deliveries > 0 and #present > 0 then
-    local ids = {}
-    for i, entry in ipairs(present) do
-      ids[i] = entry[1]
-    end
-    local crashes = call_chunked({"HMGET", started}, ids, {})
-    claimed = {}
-    for i, entry in ipairs(present) do
-      local crash_count = tonumber(crashes[i]) or 0
-      if crash_count >= max_deliveries then
-        local _, data = move_to_dead_letters(stream, dead_letters, group, entry[1],
-          entry[2], crash_count, "max_deliveries exceeded", delete_acked)
-        redis.call("HDEL", started, entry[1])
-        dead_lettered[#dead_lettered + 1] = {entry[1], data}
+  local crashes = {}
+  if max_deliveries > 0 and #found > 0 then
+    crashes = call_chunked({"HMGET", started}, found, {})
+  end
+  for i, id in ipairs(found) do
+    local crash_count = tonumber(crashes[i]) or 0
+    if max_deliveries > 0 and crash_count >= max_deliveries then
+      -- Rare (max_deliveries crashes): only these entries' fields are read.
+      local entry = redis.call("XRANGE", stream, id, id)[1]
+      if entry then
+        local _, data = move_to_dead_letters(stream, dead_letters, group, id, entry[2],
+          crash_count, "max_deliveries exceeded", delete_acked)
+        redis.call("HDEL", started, id)
+        dead_lettered[#dead_lettered + 1] = {id, data}
       else
-        entry[3] = crash_count
-        claimed[#claimed + 1] = entry
+        -- Redis 6.2: claimed though gone from the stream; the caller's
+        -- XCLAIM finds it gone and acks it, as any other.
+        claimed[#claimed + 1] = {id, crash_count}
       end
+    elseif max_deliveries > 0 then
+      claimed[#claimed + 1] = {id, crash_count}
+    else
+      claimed[#claimed + 1] = {id}
     end
-  end
-
-  if reply[3] then
-    trimmed = reply[3]
-    call_chunked({"HDEL", started}, trimmed, {})
-  end
-
-  if saw_vanished_entry then
-    -- 6.2 gave no ids. The vanished entries are now ours and lie inside the
-    -- range XAUTOCLAIM scanned, which holds at most COUNT*10 PEL entries.
-    local range_end = "+"
-    if next_cursor ~= "0-0" then
-      range_end = "(" .. next_cursor
-    end
-    local ours = redis.call("XPENDING", stream, group, start, range_end,
-      tonumber(count) * 10, consumer)
-    drop_if_data_gone(stream, group, started, ours, trimmed)
   end
 
   -- A full batch means a backlog: leave the lease free so every claimer

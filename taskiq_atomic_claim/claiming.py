@@ -49,7 +49,8 @@ class Claiming:
         raise NotImplementedError
 
     async def claim(self, client: Any, stream: str) -> ClaimOutcome:
-        """One claim cycle for one stream: one script call, one round trip."""
+        """One claim cycle for one stream: one script call, and one XCLAIM
+        that fetches the fields if it claimed anything."""
         (outcome,) = await self.claim_streams(client, [stream])
         return outcome
 

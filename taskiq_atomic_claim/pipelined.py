@@ -41,10 +41,14 @@ ReplyT = TypeVar("ReplyT")
 
 
 class _Call:
-    __slots__ = ("args", "reply", "resent", "written")
+    __slots__ = ("args", "loads_before", "reply", "resent", "written")
 
-    def __init__(self, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, args: tuple[Any, ...], loads_before: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.args = args
+        # The runner's reloads when it was queued: a reload made since serves it.
+        self.loads_before = loads_before
         self.written: asyncio.Future[None] = loop.create_future()
         self.reply: asyncio.Future[Any] = loop.create_future()
         self.resent = False
@@ -75,6 +79,7 @@ class PipelinedCalls:
         operation.check_keys(keys)
         call = _Call(
             (*self._command(operation), len(keys), *keys, *args),
+            self.scripts.loads,
             asyncio.get_running_loop(),
         )
         self._queued.append(call)
@@ -166,10 +171,12 @@ class PipelinedCalls:
             except ResponseError as error:
                 self._awaiting.popleft()
                 if is_missing_script(error) and not call.resent:
-                    # A flush without a reconnect (FUNCTION/SCRIPT FLUSH).
-                    self.scripts.note_reload()
+                    # A flush without a reconnect (FUNCTION/SCRIPT FLUSH):
+                    # one load for every call it caught, as on the awaited path.
                     try:
-                        await self.scripts.load(self.client)
+                        await self.scripts.reload_after_missing(
+                            self.client, call.loads_before
+                        )
                     except RedisError:
                         _fail(call.reply, error)
                         continue

@@ -254,7 +254,8 @@ class ScriptRunner:
         # went missing (restart, flush, failover); a first load is none.
         self.reloads = 0
         self._loaded = False
-        # Loads made after a call found the library missing (see _reload).
+        # Loads made after a call found the library missing (see
+        # reload_after_missing).
         self._loads = 0
         self._load_lock = asyncio.Lock()
 
@@ -269,7 +270,7 @@ class ScriptRunner:
         """The server as last read, if it was: no round trip."""
         return self._server
 
-    def note_reload(self) -> None:
+    def _note_reload(self) -> None:
         """An operation went missing and is loaded again (not a first load)."""
         if self._loaded:
             self.reloads += 1
@@ -348,10 +349,18 @@ class ScriptRunner:
         else:
             self._loaded = True
             return reply
-        await self._reload(client, loads_before)
+        await self.reload_after_missing(client, loads_before)
         return await self._invoke(client, operation, keys, args)
 
-    async def _reload(self, client: ScriptClient, loads_before: int) -> None:
+    @property
+    def loads(self) -> int:
+        """Loads made after a call found the library missing: a call notes
+        it before it is sent, for ``reload_after_missing``."""
+        return self._loads
+
+    async def reload_after_missing(
+        self, client: ScriptClient, loads_before: int
+    ) -> None:
         """Load the library after a call found it missing, one load at a
         time: every call in flight finds it missing at once after a restart,
         flush or failover, and those that waited here call again on the load
@@ -359,7 +368,7 @@ class ScriptRunner:
         async with self._load_lock:
             if self._loads != loads_before:
                 return
-            self.note_reload()
+            self._note_reload()
             await self.load(client)
             self._loads += 1
 

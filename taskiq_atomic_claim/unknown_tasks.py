@@ -5,8 +5,9 @@ entry (0.13) or drops it (0.12); the broker declines it instead (see
 once, and its worker stands aside for a while, so a worker that knows the
 task takes it. When no worker knows it (a typo, a removed task), it goes to
 dead letters once delivered ``UNKNOWN_TASK_DELIVERIES`` times, counted by the
-PEL's delivery count: the read and every claim raise it, Lua (XAUTOCLAIM) or
-native (XREADGROUP ... CLAIM); hand-backs and heartbeats never do.
+PEL's delivery count: the read and every claim raise it, Lua (the XCLAIM
+that fetches what the script claimed, see claim.py) or native (XREADGROUP
+... CLAIM); hand-backs and heartbeats never do.
 """
 
 from __future__ import annotations

@@ -316,3 +316,27 @@ async def test_dead_letters_of_every_queue_as_text_and_paged_json(
     code, _, err = await cli_in_process(capsys, "dead-letters", *url, "--after", "1-0")
     assert code == 2
     assert "--after pages through one queue" in err
+
+
+async def test_entry_due_for_dead_letters_but_gone_is_dropped_as_trimmed(
+    redis: Redis,
+) -> None:
+    # The claim copies a dead entry's fields itself (XRANGE): one deleted
+    # while pending has none to copy, and leaves the PEL as trimmed (Redis
+    # 6.2's XAUTOCLAIM claims such entries; 7.x drops them itself).
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    gone = text(await redis.xadd(STREAM, {"data": b"gone"}))
+    kept = text(await redis.xadd(STREAM, {"data": b"kept"}))
+    await redis.xreadgroup(GROUP, "victim", {STREAM: ">"})
+    runner = ScriptRunner()
+    for _ in range(2):
+        await record_start(runner, redis, gone)
+    await redis.xdel(STREAM, gone)
+    await asyncio.sleep(0.03)
+    outcome = await claim_idle_entries(runner, redis, KEYS, "alive", settings(2))
+    assert [entry.id for entry in outcome.entries] == [kept]
+    assert outcome.trimmed == [gone]
+    assert outcome.dead_lettered == []
+    assert await redis.xlen(KEYS.dead_letters) == 0
+    assert (await redis.xpending(STREAM, GROUP))["pending"] == 1
+    assert not await redis.hexists(KEYS.started, gone)
