@@ -52,7 +52,25 @@ from taskiq_atomic_claim.settings import (
 
 
 class MasterFollowingConnection(SentinelManagedConnection):
-    """A Sentinel-managed connection that also gives up on UNBLOCKED."""
+    """A Sentinel-managed connection that also gives up on UNBLOCKED, and
+    reconnects before writing when the pool has learned of another master.
+
+    The broker's calls share one pool: when a look-up finds the master
+    moved, the pool closes only its idle connections, and one busy then (a
+    blocked read) would go back to the pool still on the old master, which
+    takes writes until it is demoted and then throws them away.
+    """
+
+    async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+        master = self.connection_pool.master_address
+        if (
+            self.is_connected
+            and self.connection_pool.is_master
+            and master is not None
+            and (self.host, self.port) != tuple(master)
+        ):
+            await self.disconnect()
+        await super().send_packed_command(*args, **kwargs)
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
