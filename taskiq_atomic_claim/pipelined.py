@@ -41,11 +41,18 @@ ReplyT = TypeVar("ReplyT")
 
 
 class _Call:
-    __slots__ = ("args", "loads_before", "reply", "resent", "written")
+    __slots__ = ("args", "loads_before", "operation", "reply", "resent", "written")
 
     def __init__(
-        self, args: tuple[Any, ...], loads_before: int, loop: asyncio.AbstractEventLoop
+        self,
+        operation: Operation[Any],
+        args: tuple[Any, ...],
+        loads_before: int,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
+        self.operation = operation
+        # numkeys, keys, arguments: FCALL or EVALSHA goes before them when
+        # written, once the server is known.
         self.args = args
         # The runner's reloads when it was queued: a reload made since serves it.
         self.loads_before = loads_before
@@ -78,7 +85,8 @@ class PipelinedCalls:
         on what it returns."""
         operation.check_keys(keys)
         call = _Call(
-            (*self._command(operation), len(keys), *keys, *args),
+            operation,
+            (len(keys), *keys, *args),
             self.scripts.loads,
             asyncio.get_running_loop(),
         )
@@ -93,9 +101,8 @@ class PipelinedCalls:
         reply: ReplyT = await self.submit(operation, keys, args).reply
         return reply
 
-    def _command(self, operation: Operation[Any]) -> tuple[str, str]:
-        server = self.scripts.known_server
-        if server is None or server.functions:
+    def _command(self, operation: Operation[Any], functions: bool) -> tuple[str, str]:
+        if functions:
             return ("FCALL", self.scripts.library.function_name(operation.name))
         return ("EVALSHA", self.scripts.library.scripts[operation.name].sha)
 
@@ -106,11 +113,19 @@ class PipelinedCalls:
             calls, self._queued = self._queued, []
             try:
                 connection = await self._connected()
+                # Read again after a failover or a reconnect: FCALL on Redis
+                # 6.2 would be an unknown command, and the call a usage error.
+                functions = (await self.scripts.server(self.client)).functions
                 # Returns once the kernel has every byte (see _connected): a
                 # start counts as recorded from here, whatever happens to
                 # this process.
                 await connection.send_packed_command(
-                    connection.pack_commands([c.args for c in calls]),
+                    connection.pack_commands(
+                        [
+                            (*self._command(c.operation, functions), *c.args)
+                            for c in calls
+                        ]
+                    ),
                     check_health=False,
                 )
             except BaseException as error:
