@@ -47,7 +47,7 @@ _BINARIES = {binary.label: binary for binary in find_binaries()}
 # One server that has IDMP, one that has not.
 KICK_SERVERS = ("redis-8.6.3", "redis-7.0.15")
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
-KICKS, CONCURRENCY = 300, 8
+CONCURRENCY, AFTER_FAULT, MAX_KICKS = 8, 5, 5000
 
 
 def binary(label: str) -> ServerBinary:
@@ -80,16 +80,26 @@ async def entries_per_task(url: str, stream: str) -> collections.Counter[str]:
 
 
 async def kick_all(
-    broker: Any, queue: str, bodies: list[str]
+    broker: Any, queue: str, fault: Callable[[], object]
 ) -> tuple[dict[str, float], dict[str, BaseException]]:
-    """Kick every body, CONCURRENCY at a time: the accepted ones with the
-    seconds each took, and the ones that raised with their error."""
+    """Kick CONCURRENCY at a time while ``fault`` runs in a thread, and on
+    until each kicker has sent AFTER_FAULT kicks after it ended (so kicks
+    straddle the whole outage however fast the machine), at most MAX_KICKS:
+    the accepted ones with the seconds each took, and the ones that raised
+    with their error."""
     accepted: dict[str, float] = {}
     failed: dict[str, BaseException] = {}
-    todo = iter(bodies)
+    numbers = iter(range(MAX_KICKS))
+    fault_done = asyncio.Event()
 
     async def kicker() -> None:
-        for body in todo:
+        after = 0
+        for number in numbers:
+            if fault_done.is_set():
+                after += 1
+                if after > AFTER_FAULT:
+                    return
+            body = f"{queue}-{number}"
             started = time.monotonic()
             try:
                 await broker.kick(message(body, queue))
@@ -99,20 +109,25 @@ async def kick_all(
                 accepted[body] = time.monotonic() - started
             await asyncio.sleep(0.01)
 
-    await asyncio.gather(*(kicker() for _ in range(CONCURRENCY)))
+    async def run_fault() -> None:
+        try:
+            await asyncio.to_thread(fault)
+        finally:
+            fault_done.set()
+
+    await asyncio.gather(run_fault(), *(kicker() for _ in range(CONCURRENCY)))
+    sent = len(accepted) + len(failed)
+    assert sent < MAX_KICKS, f"{MAX_KICKS} kicks did not outlast the fault"
     return accepted, failed
 
 
 async def kick_through(
     broker: Any, queue: str, fault: Callable[[], object], url: Callable[[], str]
 ) -> tuple[dict[str, float], dict[str, BaseException], collections.Counter[str]]:
-    """KICKS kicks while ``fault`` runs in a thread; then the broker is shut
+    """Kicks while ``fault`` runs (see kick_all); then the broker is shut
     down and the entries per task id counted on the server ``url`` names."""
-    bodies = [f"{queue}-{number}" for number in range(KICKS)]
     try:
-        (accepted, failed), _ = await asyncio.gather(
-            kick_all(broker, queue, bodies), asyncio.to_thread(fault)
-        )
+        accepted, failed = await kick_all(broker, queue, fault)
     finally:
         await broker.shutdown()
     counts = await entries_per_task(url(), queue)
