@@ -1,31 +1,24 @@
 """Moving an entry the broker cannot run to its dead-letter stream: what a
-worker does. Listing and requeue, what an operator does, are in
+worker does. Which entries go, and why, is ``dead_letter_policy.py``.
+Listing and requeue, what an operator does, are in
 ``taskiq_atomic_claim.admin.dead_letters``."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from taskiq_atomic_claim.dead_letter_policy import (
+    MAX_DELIVERIES_EXCEEDED,
+    log_crashed_out,
+    log_moved,
+)
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import DEAD_LETTER
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
-
-logger = logging.getLogger("taskiq.atomic_claim")
-
-_REASON_LIMIT = 200
-# The reason of an entry whose task crashed max_deliveries workers (claim.lua
-# writes the same).
-MAX_DELIVERIES_EXCEEDED = "max_deliveries exceeded"
-
-
-def bounded_reason(reason: str) -> str:
-    """A reason short enough to store with every dead letter."""
-    return reason if len(reason) <= _REASON_LIMIT else reason[: _REASON_LIMIT - 1] + "…"
 
 
 async def move_to_dead_letters(
@@ -77,12 +70,11 @@ class DeadLettering:
 
     async def move(
         self,
-        client: Any,
+        client: ScriptClient,
         keys: StreamKeys,
         entry_id: str,
         reason: str,
         *,
-        deliveries: int | None = None,
         level: int = logging.ERROR,
     ) -> None:
         """Move a held entry to the dead letters, in place of its ack."""
@@ -93,18 +85,32 @@ class DeadLettering:
             entry_id,
             reason,
             delete_acked=self.delete_acked,
-            deliveries=deliveries,
             results=self.results,
         )
         self.metrics.add("dead_lettered", keys.stream)
-        logger.log(
-            level,
-            "Entry %s of stream %r moved to dead letters %r: %s",
-            entry_id,
-            keys.stream,
-            keys.dead_letters,
-            reason,
-        )
+        log_moved(keys, entry_id, reason, level)
+
+    async def move_crashed_out(
+        self, client: ScriptClient, keys: StreamKeys, crashed: Sequence[tuple[str, int]]
+    ) -> None:
+        """Move held entries whose tasks crashed max_deliveries workers, each
+        with its crashes (recorded as the claim script records them), as
+        the claim script would have (see ``moved_by_claim``)."""
+        if not crashed:
+            return
+        for entry_id, crashes in crashed:
+            await move_to_dead_letters(
+                self.scripts,
+                client,
+                keys,
+                entry_id,
+                MAX_DELIVERIES_EXCEEDED,
+                delete_acked=self.delete_acked,
+                deliveries=crashes,
+                results=self.results,
+            )
+        self.metrics.add("dead_lettered", keys.stream, len(crashed))
+        log_crashed_out(keys, [entry_id for entry_id, _ in crashed])
 
     def moved_by_claim(
         self, keys: StreamKeys, ids: Sequence[str], data: Mapping[str, bytes]
@@ -118,11 +124,4 @@ class DeadLettering:
             self.results.dead_lettered(
                 keys.stream, entry_id, data.get(entry_id), MAX_DELIVERIES_EXCEEDED
             )
-        logger.error(
-            "%d entries of stream %r whose tasks crashed max_deliveries workers"
-            " moved to dead letters %r: %s",
-            len(ids),
-            keys.stream,
-            keys.dead_letters,
-            ", ".join(ids),
-        )
+        log_crashed_out(keys, ids)

@@ -29,8 +29,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
+from taskiq_atomic_claim.dead_letter_policy import (
+    dropped_reason,
+    log_handed_back_unknown,
+    no_worker_knows,
+)
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
-from taskiq_atomic_claim.dead_letters import DeadLettering, bounded_reason
+from taskiq_atomic_claim.dead_letters import DeadLettering
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
@@ -41,11 +46,7 @@ from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import drop_idle_connections
 from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
-from taskiq_atomic_claim.unknown_tasks import (
-    call_decline,
-    log_handed_back,
-    no_worker_knows,
-)
+from taskiq_atomic_claim.unknown_tasks import call_decline
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -262,21 +263,11 @@ class InFlight:
         without an ack."""
         task = delivery.task
         assert task is not None
-        error = task.exception()
         if delivery.unknown_task is not None:
             # taskiq < 0.13 skips an unknown task without an ack.
             await self.decline(client, delivery)
             return
-        if delivery.unparsable is not None:
-            # taskiq < 0.13 skips what it cannot parse without an ack.
-            reason = delivery.unparsable
-        elif error is None:  # e.g. a manual-ack task that never acked
-            reason = "its task ended without acking it"
-        else:
-            reason = bounded_reason(
-                "taskiq's receiver raised after starting it, without acking:"
-                f" {type(error).__name__}: {error}"
-            )
+        reason = dropped_reason(delivery.unparsable, task.exception())
         await self.dead_letter(client, delivery, reason)
 
     async def decline(self, client: Any, delivery: Delivery) -> None:
@@ -296,7 +287,9 @@ class InFlight:
         if deliveries >= 0:  # else no longer ours: whoever took it judges it
             self.stand_aside(delivery.stream)
             self.metrics.add("handed_back", delivery.stream)
-            log_handed_back(delivery.stream, delivery.entry_id, task_name, deliveries)
+            log_handed_back_unknown(
+                delivery.stream, delivery.entry_id, task_name, deliveries
+            )
 
     async def dead_letter(
         self, client: Any, delivery: Delivery, reason: str, level: int = logging.ERROR

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from taskiq_atomic_claim.dead_letters import MAX_DELIVERIES_EXCEEDED
+from taskiq_atomic_claim.dead_letter_policy import crashed_out
 from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
@@ -254,21 +254,18 @@ class NativeReads:
                 continue
             keys = StreamKeys(stream, self.consumer_group_name)
             counts = await client.execute_command("HMGET", keys.started, *ids)
+            crashed_out_ids: list[tuple[str, int]] = []
             for entry_id, count in zip(ids, counts, strict=True):
                 crashes = int(count or 0)
-                if crashes < max_deliveries:
+                if not crashed_out(crashes, max_deliveries):
                     # Held from here with its crashes (see suspects.py).
                     self.in_flight.add(stream, [entry_id], crashes)
                     continue
-                # Recorded as the Lua claim does: the crashes that counted.
-                await self.in_flight.dead_lettering.move(
-                    client,
-                    keys,
-                    entry_id,
-                    MAX_DELIVERIES_EXCEEDED,
-                    deliveries=crashes,
-                )
+                crashed_out_ids.append((entry_id, crashes))
                 poisoned.add((stream, entry_id))
+            await self.in_flight.dead_lettering.move_crashed_out(
+                client, keys, crashed_out_ids
+            )
         return [
             (stream, entry_id, fields)
             for stream, entry_id, fields, _ in read

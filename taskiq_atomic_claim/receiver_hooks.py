@@ -10,7 +10,7 @@ from taskiq import TaskiqMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.message import BrokerMessage
 
-from taskiq_atomic_claim.dead_letters import bounded_reason
+from taskiq_atomic_claim.dead_letter_policy import unparsable_reason
 from taskiq_atomic_claim.in_flight import Connect, InFlight
 from taskiq_atomic_claim.suspects import OneSuspectAtATime
 
@@ -40,10 +40,7 @@ class EntryAwareFormatter(TaskiqFormatter):
         except Exception as error:
             if delivery is not None:
                 # taskiq acks what it cannot parse; that ack dead-letters it.
-                delivery.unparsable = bounded_reason(
-                    f"the formatter cannot parse its data: {type(error).__name__}:"
-                    f" {error}"
-                )
+                delivery.unparsable = unparsable_reason(error)
             raise
         if delivery is not None and not self.knows_task(loaded.task_name):
             # taskiq acks (0.13) or skips (0.12) it; either declines it.

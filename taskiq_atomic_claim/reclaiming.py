@@ -23,6 +23,7 @@ from taskiq.abc.result_backend import AsyncResultBackend
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
+from taskiq_atomic_claim.dead_letter_policy import NO_DATA_FIELD
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
@@ -309,8 +310,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes):
-            reason = f"no {_DATA_FIELD.decode()} field"
-            await self.in_flight.dead_letter(client, delivery, reason)
+            await self.in_flight.dead_letter(client, delivery, NO_DATA_FIELD)
             return None
         return AckableMessage(
             data=EntryData(data, stream, entry_id),

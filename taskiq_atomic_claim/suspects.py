@@ -3,8 +3,9 @@
 A worker that dies kills every task it runs, and each of them gains a crash
 (``lua/start.lua`` counts starts; an ack or a graceful hand-back takes them
 back): a poison task's neighbours gain crashes beside it. A task whose entry
-has ``threshold`` crashes or more is a suspect, and a worker runs one suspect
-at a time, so two suspects never die together. An innocent task then dies
+has ``threshold`` crashes or more (``dead_letter_policy.suspect_threshold``)
+is a suspect, and a worker runs one suspect at a time, so two suspects never
+die together. An innocent task then dies
 beside a poison only while one of the two is not yet a suspect, at most
 ``threshold`` times each: ``2 * threshold < max_deliveries`` crashes in all,
 so one poison never takes a neighbour to the dead letters (for
@@ -19,15 +20,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from taskiq_atomic_claim.dead_letter_policy import suspect_threshold
+
 if TYPE_CHECKING:
     from taskiq_atomic_claim.delivery import Delivery
 
 logger = logging.getLogger("taskiq.atomic_claim")
-
-
-def suspect_threshold(max_deliveries: int) -> int:
-    """Crashes that make a suspect; 0 (none) where crashes are not counted."""
-    return max(1, (max_deliveries - 1) // 2) if max_deliveries else 0
 
 
 class OneSuspectAtATime:

@@ -21,6 +21,10 @@ from taskiq_atomic_claim.admin.dead_letters import (
     requeue_dead_letters,
 )
 from taskiq_atomic_claim.claim import claim_idle_entries
+from taskiq_atomic_claim.dead_letter_policy import (
+    MAX_DELIVERIES_EXCEEDED,
+    NO_DATA_FIELD,
+)
 from taskiq_atomic_claim.dead_letter_results import DeadLettered
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
@@ -77,6 +81,8 @@ async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
     assert dead.original_id == poison
     assert dead.deliveries == 3, "the crashes, not the deliveries"
     assert dead.reason == "max_deliveries exceeded"
+    # claim.lua compares and writes server-side: the policy's reason.
+    assert dead.reason == MAX_DELIVERIES_EXCEEDED
     assert dead.fields == {b"data": b"\x00poison"}
     assert await redis.pttl(KEYS.dead_letters) == -1, "dead letters are data"
     assert await redis.exists(KEYS.started) == 0, "its start count went with it"
@@ -158,7 +164,7 @@ async def test_broker_dead_letters_entries_without_data(
         await maybe_awaitable(received.ack())
         keys = StreamKeys("taskiq", "taskiq")
         [dead] = await list_dead_letters(redis, keys)
-        assert dead.reason == "no data field"
+        assert dead.reason == "no data field" == NO_DATA_FIELD
         assert dead.fields == {b"written-by": b"someone else"}
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert broker.metrics.snapshot()["dead_lettered"] == 1

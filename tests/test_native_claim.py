@@ -13,6 +13,7 @@ from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
+from taskiq_atomic_claim.dead_letter_policy import MAX_DELIVERIES_EXCEEDED
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.operations import DROP_TRIMMED
 from taskiq_atomic_claim.replies import text
@@ -122,6 +123,7 @@ async def test_a_poison_entry_read_back_goes_to_dead_letters(
         [dead_letter] = await list_dead_letters(redis, KEYS)
         assert dead_letter.original_id == poison
         assert dead_letter.reason == "max_deliveries exceeded"
+        assert dead_letter.reason == MAX_DELIVERIES_EXCEEDED, "as the Lua path's"
         assert dead_letter.deliveries == 2, "the crashes that counted"
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert await redis.hget(KEYS.started, poison) is None

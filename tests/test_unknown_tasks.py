@@ -17,9 +17,9 @@ from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.receiver import Receiver
 
+from taskiq_atomic_claim.dead_letter_policy import UNKNOWN_TASK_DELIVERIES
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.unknown_tasks import UNKNOWN_TASK_DELIVERIES
 from tests.conftest import Server
 from tests.started_app import NEW_TASK
 from tests.test_reliability import started
