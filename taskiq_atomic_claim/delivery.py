@@ -1,5 +1,6 @@
 """One entry delivered to this consumer, as the broker tracks it from its
-read to its ack (``in_flight``), and the message data that names it."""
+read to its ack (its states and transitions are in ``entry_lifecycle.py``),
+and the message data that names it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class EntryData(bytes):
         return made
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
     stream: str
     entry_id: str

@@ -23,19 +23,15 @@ from taskiq.abc.result_backend import AsyncResultBackend
 
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
-from taskiq_atomic_claim.dead_letter_policy import NO_DATA_FIELD
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
-from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeating
 from taskiq_atomic_claim.in_flight import InFlight
-from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
-from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.pipelined import PipelinedCalls
-from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
+from taskiq_atomic_claim.receiver_hooks import hook_receiver
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -48,8 +44,6 @@ from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import StreamSetup
 
 logger = logging.getLogger("taskiq.atomic_claim")
-
-_DATA_FIELD = b"data"
 
 
 class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSetup):
@@ -97,6 +91,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             self.metrics,
             DeadLetterResults(lambda: self.result_backend),
             stand_aside=self._stand_aside,
+            connect=self._connection,
         )
         self.group_positions = GroupPositions()
         self._init_native_reads()
@@ -105,14 +100,6 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         self._claim_error: Exception | None = None
         # Per stream: when (monotonic s) this consumer claims on it next.
         self._claim_due: dict[str, float] = {}
-        # Shared by every ack: one outage, one log line, however many acks.
-        self._ack_backoff = Backoff(
-            f"acks of consumer {self.consumer_name}",
-            cap=1.0,
-            consequence=f"an ack still failing after {self._ack_patience:.1f} s"
-            " is dropped and its task runs again once reclaimed (a hash slot"
-            " migrating is waited out)",
-        )
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
         raise NotImplementedError
@@ -249,17 +236,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         self._chosen_on = None  # the path is logged at its first call
 
     def _track_starts(self) -> None:
-        """Learn which entry each task comes from and when it starts: wrap
-        the formatter and add the middleware (once, on the worker side, after
-        the app configured both)."""
-        if not isinstance(self.formatter, EntryAwareFormatter):
-            self.formatter = EntryAwareFormatter(
-                self.formatter,
-                self.in_flight,
-                lambda name: self.find_task(name) is not None,
-            )
-        if not any(isinstance(m, StartRecorder) for m in self.middlewares):
-            self.add_middlewares(StartRecorder(self.in_flight, self._connection))
+        hook_receiver(self, self.in_flight)
 
     async def _read_new(
         self,
@@ -296,105 +273,11 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
-        """The entry as a message; None if this consumer no longer holds it
-        (handed back, or taken by another consumer), or once an entry taskiq
-        cannot run (no ``data`` field: written by something else) is moved to
-        dead letters."""
-        delivery = self.in_flight.get(stream, entry_id)
-        if delivery is None or delivery.yielded:
-            # Handed back or taken by another consumer; or taken back from
-            # ourselves by our own claim (a heartbeat came late) while taskiq
-            # still runs it: yielding it again would run it twice.
-            return None
-        data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
-        if isinstance(data, str):
-            data = data.encode()
-        if not isinstance(data, bytes):
-            await self.in_flight.dead_letter(client, delivery, NO_DATA_FIELD)
-            return None
-        return AckableMessage(
-            data=EntryData(data, stream, entry_id),
-            ack=self._tracked_ack(stream, entry_id),
-        )
-
-    def _ack_once(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
-        """XACK and forget the entry's start count in one round trip; an
-        entry taskiq could not parse goes to dead letters instead."""
-
-        keys = StreamKeys(stream, self.consumer_group_name)
-        ack_args: list[str | int] = [
-            self.consumer_group_name,
-            entry_id,
-            int(self.claim_settings.delete_acked),
-        ]
-
-        async def ack() -> None:
-            delivery = self.in_flight.get(stream, entry_id)
-            plain = delivery is None or (
-                delivery.unknown_task is None and delivery.unparsable is None
-            )
-            pipelined = self.in_flight.pipelined
-            if plain and pipelined is not None:
-                # Bounded by the pipeline's own reply deadline.
-                await pipelined.call(ACK, [stream, keys.started], ack_args)
-                return
-            await within(REPLY_MARGIN_S, awaited_ack(delivery))
-
-        async def awaited_ack(delivery: Delivery | None) -> None:
-            async with self._connection() as client:
-                if delivery is not None and delivery.unknown_task is not None:
-                    await self.in_flight.decline(client, delivery)
-                    return
-                if delivery is not None and delivery.unparsable is not None:
-                    await self.in_flight.dead_letter(
-                        client, delivery, delivery.unparsable
-                    )
-                    return
-                await self.scripts.call(client, ACK, [stream, keys.started], ack_args)
-
-        return ack
+        return await self.in_flight.deliverable(client, stream, entry_id, fields)
 
     def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
-        ack = self._ack_once(stream, entry_id)
-
-        async def ack_and_forget() -> None:
-            # An outage must not fail the ack outright; if the server stays
-            # away, stop heartbeating the entry either way so another worker
-            # reclaims it (at least once, never stuck). Never raise then:
-            # taskiq runs acks in tasks nobody awaits, so an exception is a
-            # "Task exception was never retrieved" traceback per ack, and the
-            # outage's one log line already said what happens.
-            give_up = time.monotonic() + self._ack_patience
-            try:
-                while True:
-                    try:
-                        await ack()
-                    except Exception as error:
-                        if not is_outage(error):
-                            raise
-                        await drop_idle_connections(self._connection, error)
-                        delay = self._ack_backoff.failed(error)
-                        if classify(error) is Fault.MIGRATING:
-                            # Nothing takes the entry meanwhile: it is still
-                            # heartbeated, and a claim needs the ack's keys
-                            # and more on one node. Wait the move out.
-                            give_up = time.monotonic() + self._ack_patience
-                        remaining = give_up - time.monotonic()
-                        if remaining <= 0:
-                            return
-                        # Last try at the deadline: acks share one backoff,
-                        # whose cap would else drop acks of short outages.
-                        await asyncio.sleep(min(delay, remaining))
-                    else:
-                        self._ack_backoff.succeeded()
-                        return
-            finally:
-                self.in_flight.discard(stream, entry_id)
-
-        return ack_and_forget
+        return self.in_flight.tracked_ack(stream, entry_id)
 
     @property
     def _ack_patience(self) -> float:
-        """Seconds an ack keeps retrying: well before the entry, no longer
-        heartbeated, becomes claimable."""
-        return min(self.claim_settings.idle_timeout / 2000, 30)
+        return self.in_flight.ack_patience

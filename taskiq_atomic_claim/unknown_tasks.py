@@ -1,14 +1,15 @@
 """Entries whose task the worker does not know (a rolling deploy: a new
 producer kicks a task only new workers have). taskiq's receiver acks such an
 entry (0.13) or drops it (0.12); the broker declines it instead (see
-``EntryAwareFormatter`` and ``InFlight.decline``): hands it back, claimable at
-once, and its worker stands aside for a while, so a worker that knows the
-task takes it. When no worker knows it (a typo, a removed task), it goes to
-dead letters once delivered ``UNKNOWN_TASK_DELIVERIES`` times (the bound and
-the reason are in ``dead_letter_policy.py``), counted by the
-PEL's delivery count: the read and every claim raise it, Lua (the XCLAIM
-that fetches what the script claimed, see claim.py) or native (XREADGROUP
-... CLAIM); hand-backs and heartbeats never do.
+``EntryLifecycle.unknown_task`` and ``EntryLifecycle.decline``): hands it
+back, claimable at once, and its worker stands aside for a while, so a
+worker that knows the task takes it. When no worker knows it (a typo, a
+removed task), it goes to dead letters once delivered
+``UNKNOWN_TASK_DELIVERIES`` times (the bound and the reason are in
+``dead_letter_policy.py``), counted by the PEL's delivery count: the read
+and every claim raise it, Lua (the XCLAIM that fetches what the script
+claimed, see claim.py) or native (XREADGROUP ... CLAIM); hand-backs and
+heartbeats never do.
 """
 
 from __future__ import annotations

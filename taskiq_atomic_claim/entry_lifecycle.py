@@ -1,0 +1,596 @@
+"""An entry's lifecycle in a worker: every state it passes through and
+every transition, from its read to its ack or its other ends.
+
+- read (XREADGROUP or a claim): held (``add``), heartbeated, not yet handed
+  to taskiq;
+- yielded: handed to taskiq's receiver by ``listen()`` as a message
+  (``deliverable``, then ``mark_yielded``); an entry taskiq cannot run (no
+  data field) is dead-lettered instead;
+- loaded: the receiver's callback parsed its data (``loaded``; the
+  formatter saw it), or could not (``unparsable``), or found no task of its
+  name here (``unknown_task``);
+- started: about to run (``starting``); a task that crashed workers before
+  waits for its turn (``suspects.py``), then the start is recorded on the
+  server (``start.lua``) so that a worker dying now counts toward
+  ``max_deliveries``;
+- and then one of:
+  - acked: forgotten here and on the server (``ack.lua``; ``tracked_ack``);
+  - declined: its task unknown here, handed back for a worker that knows it
+    (``decline``);
+  - dead-lettered: in place of its ack (``dead_letter``; when, and why, is
+    ``dead_letter_policy.py``);
+  - handed back: made claimable by others (``hand_back``,
+    ``hand_back_unyielded``), or lost to another consumer (``set_idle``).
+
+The broker learns "loaded" and "started" from what taskiq does anyway: the
+receiver calls ``broker.formatter.loads(message.data)`` and then every
+middleware's ``pre_execute`` in the callback's own asyncio task, before the
+task runs (``receiver_hooks.py`` forwards both here). ``EntryData`` is the
+message data carrying its entry, so the callback task is tied to the entry.
+
+What is held but not running never stays held for ever: an entry the
+receiver dropped (its callback ended without an ack) goes to dead letters; an
+entry not handed to taskiq within ``3 * idle_timeout`` is handed back.
+
+The held set is the hot path: per entry one ``Delivery``, one message and
+one ack closure, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+from taskiq import AckableMessage
+
+from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.dead_letter_policy import (
+    NO_DATA_FIELD,
+    dropped_reason,
+    log_handed_back_unknown,
+    no_worker_knows,
+    unparsable_reason,
+)
+from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
+from taskiq_atomic_claim.dead_letters import DeadLettering
+from taskiq_atomic_claim.delivery import Delivery, EntryData
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.operations import ACK, HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.pipelined import PipelinedCalls
+from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.server_calls import (
+    REPLY_MARGIN_S,
+    drop_idle_connections,
+    within,
+)
+from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.suspects import OneSuspectAtATime
+from taskiq_atomic_claim.unknown_tasks import call_decline
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+SCRIPT_BATCH = 1000
+# A start count lives at least this long after its last write (ms); if it
+# lapses only crash counts reset, no entry is lost.
+MIN_STARTED_TTL_MS = 24 * 3600 * 1000
+
+Connect = Callable[[], contextlib.AbstractAsyncContextManager[ScriptClient]]
+
+_DATA_FIELD = b"data"
+
+
+class EntryLifecycle:
+    """Delivered-not-acked entries of one consumer, with their state, and
+    every transition they take (see the module docstring).
+
+    ``connect`` gives a client of the pool acks, starts and declines use;
+    ``stand_aside`` is called with the stream of an entry declined (claim
+    elsewhere first); ``pipelined`` is set where starts and acks go
+    pipelined over one connection (standalone servers)."""
+
+    def __init__(
+        self,
+        scripts: ScriptRunner,
+        group: str,
+        consumer: str,
+        settings: ClaimSettings,
+        metrics: ReclaimMetrics,
+        results: DeadLetterResults,
+        stand_aside: Callable[[str], None] = lambda stream: None,
+        *,
+        connect: Connect,
+    ) -> None:
+        self.scripts = scripts
+        self.connect = connect
+        self.dead_lettering = DeadLettering(
+            scripts, metrics, results, delete_acked=settings.delete_acked
+        )
+        self.stand_aside = stand_aside
+        self.group = group
+        self.consumer = consumer
+        self.settings = settings
+        self.metrics = metrics
+        self.suspects = OneSuspectAtATime(settings.max_deliveries)
+        self._held: dict[tuple[str, str], Delivery] = {}
+        self._by_task: dict[asyncio.Task[Any], Delivery] = {}
+        self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
+        self._start_flush: asyncio.Task[None] | None = None
+        self._keys: dict[str, StreamKeys] = {}
+        self.pipelined: PipelinedCalls | None = None
+        # Shared by every ack: one outage, one log line, however many acks.
+        self.ack_backoff = Backoff(
+            f"acks of consumer {consumer}",
+            cap=1.0,
+            consequence=f"an ack still failing after {self.ack_patience:.1f} s"
+            " is dropped and its task runs again once reclaimed (a hash slot"
+            " migrating is waited out)",
+        )
+
+    def keys(self, stream: str) -> StreamKeys:
+        """The stream's keys, built once per stream: acks are a hot path."""
+        keys = self._keys.get(stream)
+        if keys is None:
+            keys = self._keys[stream] = StreamKeys(stream, self.group)
+        return keys
+
+    # The held set, per stream.
+
+    def add(self, stream: str, entry_ids: Iterable[str], crashes: int = 0) -> None:
+        now = time.monotonic()
+        for entry_id in entry_ids:
+            delivery = Delivery(stream, entry_id, now, crashes=crashes)
+            self._held.setdefault((stream, entry_id), delivery)
+
+    def discard(self, stream: str, entry_id: str) -> None:
+        delivery = self._held.pop((stream, entry_id), None)
+        if delivery is not None and delivery.task is not None:
+            self._by_task.pop(delivery.task, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._by_task.clear()
+
+    def __getitem__(self, stream: str) -> set[str]:
+        return {entry_id for (s, entry_id) in self._held if s == stream}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def streams(self) -> list[str]:
+        return list(dict.fromkeys(s for s, _ in self._held))
+
+    def deliveries(self) -> list[Delivery]:
+        return list(self._held.values())
+
+    def get(self, stream: str, entry_id: str) -> Delivery | None:
+        return self._held.get((stream, entry_id))
+
+    def mark_yielded(self, stream: str, entry_id: str) -> None:
+        delivery = self._held.get((stream, entry_id))
+        if delivery is not None:
+            delivery.yielded = True
+
+    # Read -> yielded.
+
+    async def deliverable(
+        self,
+        client: ScriptClient,
+        stream: str,
+        entry_id: str,
+        fields: dict[Any, Any],
+    ) -> AckableMessage | None:
+        """The entry as a message; None if this consumer no longer holds it
+        (handed back, or taken by another consumer), or once an entry taskiq
+        cannot run (no ``data`` field: written by something else) is moved to
+        dead letters."""
+        delivery = self._held.get((stream, entry_id))
+        if delivery is None or delivery.yielded:
+            # Handed back or taken by another consumer; or taken back from
+            # ourselves by our own claim (a heartbeat came late) while taskiq
+            # still runs it: yielding it again would run it twice.
+            return None
+        data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes):
+            await self.dead_letter(client, delivery, NO_DATA_FIELD)
+            return None
+        return AckableMessage(
+            data=EntryData(data, stream, entry_id),
+            ack=self.tracked_ack(stream, entry_id),
+        )
+
+    # Yielded -> loaded, in the receiver's callback task.
+
+    def loaded(self, data: bytes) -> Delivery | None:
+        """The formatter is parsing ``data`` in the receiver's callback task."""
+        if not isinstance(data, EntryData):
+            return None
+        delivery = self._held.get((data.stream, data.entry_id))
+        task = asyncio.current_task()
+        if delivery is not None and task is not None:
+            delivery.task = task
+            self._by_task[task] = delivery
+        return delivery
+
+    @staticmethod
+    def unparsable(delivery: Delivery | None, error: Exception) -> None:
+        """The formatter cannot parse it: taskiq acks it (0.13) or skips it
+        (0.12), and either dead-letters it."""
+        if delivery is not None:
+            delivery.unparsable = unparsable_reason(error)
+
+    @staticmethod
+    def unknown_task(delivery: Delivery | None, task_name: str) -> None:
+        """No task of that name here: taskiq acks (0.13) or skips (0.12) it;
+        either declines it."""
+        if delivery is not None:
+            delivery.unknown_task = task_name
+
+    def of_current_task(self) -> Delivery | None:
+        task = asyncio.current_task()
+        return None if task is None else self._by_task.get(task)
+
+    # Loaded -> started, just before the task runs.
+
+    async def starting(self) -> None:
+        """In the receiver's callback task, before the task runs: a suspect
+        waits for its turn, then the start is recorded."""
+        delivery = self.of_current_task()
+        if delivery is not None:
+            await self.suspects.wait_turn(delivery)
+            await self.record_start(self.connect, delivery)
+
+    @property
+    def started_ttl(self) -> int:
+        """ms: long enough to see max_deliveries crashes and reclaims."""
+        cycles = (self.settings.max_deliveries + 1) * 2
+        return max(MIN_STARTED_TTL_MS, cycles * self.settings.idle_timeout)
+
+    async def record_start(self, connect: Connect, delivery: Delivery) -> None:
+        """Record on the server that the entry's task starts, before it runs.
+
+        Starts arriving while a call is under way wait and go together in
+        the next call (one per stream).
+        """
+        if self.settings.max_deliveries == 0 or delivery.started:
+            return  # nothing counts crashes: no key, no round trip
+        if self.pipelined is not None:
+            await self._pipeline_start(delivery)
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
+        if self._start_flush is None or self._start_flush.done():
+            self._start_flush = asyncio.create_task(self._flush_starts(connect))
+        try:
+            await waiter
+        except Exception as error:
+            _start_not_recorded(delivery, error)
+
+    async def _pipeline_start(self, delivery: Delivery) -> None:
+        """Written, not answered: once the kernel has it, the start reaches
+        the server even if this process dies right after."""
+        assert self.pipelined is not None
+        keys = self.keys(delivery.stream)
+        call = self.pipelined.submit(
+            START, [keys.started], [self.started_ttl, delivery.entry_id]
+        )
+        try:
+            await call.written
+        except Exception as error:
+            _start_not_recorded(delivery, error)
+            return
+        delivery.started = True
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            if not reply.cancelled() and reply.exception() is not None:
+                _start_not_recorded(delivery, reply.exception())
+
+        call.reply.add_done_callback(answered)
+
+    async def _flush_starts(self, connect: Connect) -> None:
+        # Let the callbacks scheduled beside this one reach their start too.
+        await asyncio.sleep(0)
+        while self._starts:
+            batches, self._starts = self._starts, {}
+            try:
+                async with connect() as client:
+                    for stream, waiting in batches.items():
+                        await self._call_start(client, stream, waiting)
+            except BaseException as error:
+                # One start lost to a closed connection is enough; and a
+                # cancelled flush (shutdown) fails its waiters as well.
+                await drop_idle_connections(connect, error)
+                failure = (
+                    error
+                    if isinstance(error, Exception)
+                    else RuntimeError("recording the start was cancelled")
+                )
+                for waiting in batches.values():
+                    for _, waiter in waiting:
+                        if not waiter.done():
+                            waiter.set_exception(failure)
+                if not isinstance(error, Exception):
+                    raise
+
+    async def _call_start(
+        self,
+        client: ScriptClient,
+        stream: str,
+        waiting: list[tuple[Delivery, asyncio.Future[None]]],
+    ) -> None:
+        keys = self.keys(stream)
+        for start in range(0, len(waiting), SCRIPT_BATCH):
+            chunk = waiting[start : start + SCRIPT_BATCH]
+            await self.scripts.call(
+                client,
+                START,
+                [keys.started],
+                [self.started_ttl, *(d.entry_id for d, _ in chunk)],
+            )
+            for delivery, waiter in chunk:
+                delivery.started = True
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # Started -> acked (or, in place of the ack, declined or dead-lettered).
+
+    @property
+    def ack_patience(self) -> float:
+        """Seconds an ack keeps retrying: well before the entry, no longer
+        heartbeated, becomes claimable."""
+        return min(self.settings.idle_timeout / 2000, 30)
+
+    def tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
+        """The message's ack: acked (or declined, or dead-lettered), then
+        forgotten here whatever happened."""
+
+        async def ack_and_forget() -> None:
+            # An outage must not fail the ack outright; if the server stays
+            # away, stop heartbeating the entry either way so another worker
+            # reclaims it (at least once, never stuck). Never raise then:
+            # taskiq runs acks in tasks nobody awaits, so an exception is a
+            # "Task exception was never retrieved" traceback per ack, and the
+            # outage's one log line already said what happens.
+            give_up = time.monotonic() + self.ack_patience
+            try:
+                while True:
+                    try:
+                        await self._ack_once(stream, entry_id)
+                    except Exception as error:
+                        if not is_outage(error):
+                            raise
+                        await drop_idle_connections(self.connect, error)
+                        delay = self.ack_backoff.failed(error)
+                        if classify(error) is Fault.MIGRATING:
+                            # Nothing takes the entry meanwhile: it is still
+                            # heartbeated, and a claim needs the ack's keys
+                            # and more on one node. Wait the move out.
+                            give_up = time.monotonic() + self.ack_patience
+                        remaining = give_up - time.monotonic()
+                        if remaining <= 0:
+                            return
+                        # Last try at the deadline: acks share one backoff,
+                        # whose cap would else drop acks of short outages.
+                        await asyncio.sleep(min(delay, remaining))
+                    else:
+                        self.ack_backoff.succeeded()
+                        return
+            finally:
+                self.discard(stream, entry_id)
+
+        return ack_and_forget
+
+    async def _ack_once(self, stream: str, entry_id: str) -> None:
+        """XACK and forget the entry's start count in one round trip; an
+        entry taskiq could not parse goes to dead letters instead, one whose
+        task is unknown here is declined."""
+        keys = self.keys(stream)
+        ack_args: list[str | int] = [
+            self.group,
+            entry_id,
+            int(self.settings.delete_acked),
+        ]
+        delivery = self._held.get((stream, entry_id))
+        plain = delivery is None or (
+            delivery.unknown_task is None and delivery.unparsable is None
+        )
+        pipelined = self.pipelined
+        if plain and pipelined is not None:
+            # Bounded by the pipeline's own reply deadline.
+            await pipelined.call(ACK, [stream, keys.started], ack_args)
+            return
+        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, keys, ack_args))
+
+    async def _awaited_ack(
+        self, delivery: Delivery | None, keys: StreamKeys, ack_args: list[str | int]
+    ) -> None:
+        async with self.connect() as client:
+            if delivery is not None and delivery.unknown_task is not None:
+                await self.decline(client, delivery)
+                return
+            if delivery is not None and delivery.unparsable is not None:
+                await self.dead_letter(client, delivery, delivery.unparsable)
+                return
+            await self.scripts.call(client, ACK, [keys.stream, keys.started], ack_args)
+
+    # Heartbeat and hand-back.
+
+    async def beat(self, client: ScriptClient) -> None:
+        """One heartbeat: dead-letter what the receiver dropped, hand back
+        what sat unread too long, keep the rest from being reclaimed.
+
+        The idle reset runs whatever the steps before it met: a step that
+        fails at every beat (a refused command, a dead-letter key of another
+        type) is logged and tried again at the next, and must not let long
+        tasks be reclaimed and run twice. Only an unreachable server stops
+        the beat, as the reset would fail too."""
+        for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
+            await _contained(
+                f"settling entry {delivery.entry_id} of stream {delivery.stream!r}"
+                " that taskiq dropped",
+                self.settle_dropped(client, delivery),
+            )
+        await _contained(
+            "handing back entries not started",
+            self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000),
+        )
+        await self.set_idle(client, 0, self.deliveries())
+
+    async def settle_dropped(self, client: ScriptClient, delivery: Delivery) -> None:
+        """Dead-letter (or decline) an entry whose receiver callback ended
+        without an ack."""
+        task = delivery.task
+        assert task is not None
+        if delivery.unknown_task is not None:
+            # taskiq < 0.13 skips an unknown task without an ack.
+            await self.decline(client, delivery)
+            return
+        reason = dropped_reason(delivery.unparsable, task.exception())
+        await self.dead_letter(client, delivery, reason)
+
+    async def decline(self, client: ScriptClient, delivery: Delivery) -> None:
+        """In place of the ack of an entry whose task this worker does not
+        know: hand it back for a worker that knows it, and stand aside; once
+        delivered ``UNKNOWN_TASK_DELIVERIES`` times, dead-letter it."""
+        keys = self.keys(delivery.stream)
+        deliveries = await call_decline(
+            self.scripts, client, keys, self.consumer, self.settings, delivery.entry_id
+        )
+        task_name = delivery.unknown_task or ""
+        reason = no_worker_knows(task_name, deliveries)
+        if reason is not None:
+            await self.dead_letter(client, delivery, reason, logging.WARNING)
+            return
+        self.discard(delivery.stream, delivery.entry_id)
+        if deliveries >= 0:  # else no longer ours: whoever took it judges it
+            self.stand_aside(delivery.stream)
+            self.metrics.add("handed_back", delivery.stream)
+            log_handed_back_unknown(
+                delivery.stream, delivery.entry_id, task_name, deliveries
+            )
+
+    async def dead_letter(
+        self,
+        client: ScriptClient,
+        delivery: Delivery,
+        reason: str,
+        level: int = logging.ERROR,
+    ) -> None:
+        """Move a held entry to dead letters, in place of its ack."""
+        keys = self.keys(delivery.stream)
+        await self.dead_lettering.move(
+            client, keys, delivery.entry_id, reason, level=level
+        )
+        self.discard(delivery.stream, delivery.entry_id)
+
+    async def hand_back_unyielded(
+        self, client: ScriptClient, older_than_s: float
+    ) -> None:
+        """Hand back entries read but not handed to taskiq for ``older_than_s``
+        (every slot busy with long tasks): other workers may have room."""
+        oldest = time.monotonic() - older_than_s
+        stale = [d for d in self.deliveries() if not d.yielded and d.read_at < oldest]
+        if not stale:
+            return
+        await self.set_idle(client, self.settings.idle_timeout, stale)
+        for delivery in stale:
+            self.discard(delivery.stream, delivery.entry_id)
+            self.metrics.add("handed_back", delivery.stream)
+        logger.warning(
+            "Handed back %d entries read %.0f s ago and not started yet (every"
+            " task slot busy): other workers can take them now",
+            len(stale),
+            older_than_s,
+        )
+
+    async def set_idle(
+        self, client: ScriptClient, idle_ms: int, deliveries: list[Delivery]
+    ) -> None:
+        """Set the idle time of those still owned; forget those not owned."""
+        for stream, of_stream in _by_stream(deliveries):
+            ids = [d.entry_id for d in of_stream]
+            for start in range(0, len(ids), SCRIPT_BATCH):
+                chunk = ids[start : start + SCRIPT_BATCH]
+                lost = await self.scripts.call(
+                    client,
+                    SET_IDLE,
+                    [stream],
+                    [self.group, self.consumer, idle_ms, *chunk],
+                )
+                if idle_ms == 0:
+                    self.metrics.add("heartbeats", stream)
+                for entry_id in lost:
+                    self.discard(stream, text(entry_id))
+
+    async def hand_back(
+        self, client: ScriptClient, held: list[Delivery], idle_ms: int
+    ) -> int:
+        """Set the idle time of ``held`` (idle_timeout: claimable at once), take
+        back their starts (a shutdown is no crash), forget them; count owned."""
+        handed = 0
+        if self.pipelined is not None:
+            # Its starts on the server before they are taken back.
+            await self.pipelined.settled()
+        for stream, in_stream in _by_stream(held):
+            keys = self.keys(stream)
+            for start in range(0, len(in_stream), SCRIPT_BATCH):
+                chunk = in_stream[start : start + SCRIPT_BATCH]
+                ids = [d.entry_id for d in chunk]
+                n_started = sum(d.started for d in chunk)
+                lost = await self.scripts.call(
+                    client,
+                    HAND_BACK,
+                    [stream, keys.started],
+                    [self.group, self.consumer, idle_ms, n_started, *ids],
+                )
+                handed += len(chunk) - len(lost)
+                if idle_ms:
+                    self.metrics.add("handed_back", stream, len(chunk) - len(lost))
+                for entry_id in ids:
+                    self.discard(stream, entry_id)
+        return handed
+
+
+async def _contained(what: str, step: Awaitable[None]) -> None:
+    """Run one heartbeat step; log its failure instead of raising it, unless
+    the server is unreachable."""
+    try:
+        await step
+    except Exception as error:
+        if classify(error) is Fault.UNREACHABLE:
+            raise
+        logger.warning(
+            "Heartbeat: %s failed (tried again at the next beat; running"
+            " entries are still kept from being reclaimed): %s",
+            what,
+            error,
+        )
+
+
+def _start_not_recorded(delivery: Delivery, error: BaseException | None) -> None:
+    # The task runs anyway: a start not counted only makes a crash go
+    # uncounted, never dead-letters anything that did not crash.
+    logger.warning(
+        "Could not record the start of entry %s of stream %r (a crash"
+        " running it will not count toward max_deliveries): %s",
+        delivery.entry_id,
+        delivery.stream,
+        error,
+    )
+
+
+def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[Delivery]]]:
+    """Per stream, started first (as hand_back.lua takes them), then by id."""
+    streams: dict[str, list[Delivery]] = {}
+    for delivery in deliveries:
+        streams.setdefault(delivery.stream, []).append(delivery)
+    for stream, held in streams.items():
+        yield stream, sorted(held, key=lambda d: (not d.started, d.entry_id))
