@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from taskiq import AckableMessage, TaskiqMiddleware
@@ -274,10 +274,3 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
         return await self.in_flight.deliverable(client, stream, entry_id, fields)
-
-    def _tracked_ack(self, stream: str, entry_id: str) -> Callable[[], Awaitable[None]]:
-        return self.in_flight.tracked_ack(stream, entry_id)
-
-    @property
-    def _ack_patience(self) -> float:
-        return self.in_flight.ack_patience
