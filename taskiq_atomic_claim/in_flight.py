@@ -34,7 +34,7 @@ from taskiq_atomic_claim.dead_letters import DeadLettering, bounded_reason
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.operations import hand_back_call, set_idle_call, start_call
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -174,7 +174,11 @@ class InFlight:
         assert self.pipelined is not None
         keys = StreamKeys(delivery.stream, self.group)
         call = self.pipelined.submit(
-            START, [keys.started], [self.started_ttl, delivery.entry_id]
+            start_call(
+                started=keys.started,
+                ttl_ms=self.started_ttl,
+                entry_ids=(delivery.entry_id,),
+            )
         )
         try:
             await call.written
@@ -223,11 +227,13 @@ class InFlight:
         keys = StreamKeys(stream, self.group)
         for start in range(0, len(waiting), SCRIPT_BATCH):
             chunk = waiting[start : start + SCRIPT_BATCH]
-            await self.scripts.call(
+            await self.scripts.run(
                 client,
-                START,
-                [keys.started],
-                [self.started_ttl, *(d.entry_id for d, _ in chunk)],
+                start_call(
+                    started=keys.started,
+                    ttl_ms=self.started_ttl,
+                    entry_ids=[d.entry_id for d, _ in chunk],
+                ),
             )
             for delivery, waiter in chunk:
                 delivery.started = True
@@ -334,11 +340,15 @@ class InFlight:
             ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
                 chunk = ids[start : start + SCRIPT_BATCH]
-                lost = await self.scripts.call(
+                lost = await self.scripts.run(
                     client,
-                    SET_IDLE,
-                    [stream],
-                    [self.group, self.consumer, idle_ms, *chunk],
+                    set_idle_call(
+                        stream=stream,
+                        group=self.group,
+                        consumer=self.consumer,
+                        idle_ms=idle_ms,
+                        entry_ids=chunk,
+                    ),
                 )
                 if idle_ms == 0:
                     self.metrics.add("heartbeats", stream)
@@ -358,11 +368,17 @@ class InFlight:
                 chunk = in_stream[start : start + SCRIPT_BATCH]
                 ids = [d.entry_id for d in chunk]
                 n_started = sum(d.started for d in chunk)
-                lost = await self.scripts.call(
+                lost = await self.scripts.run(
                     client,
-                    HAND_BACK,
-                    [stream, keys.started],
-                    [self.group, self.consumer, idle_ms, n_started, *ids],
+                    hand_back_call(
+                        stream=stream,
+                        started=keys.started,
+                        group=self.group,
+                        consumer=self.consumer,
+                        idle_ms=idle_ms,
+                        n_started=n_started,
+                        entry_ids=ids,
+                    ),
                 )
                 handed += len(chunk) - len(lost)
                 if idle_ms:

@@ -32,7 +32,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
-from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.operations import ack_call
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -322,11 +322,13 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         entry taskiq could not parse goes to dead letters instead."""
 
         keys = StreamKeys(stream, self.consumer_group_name)
-        ack_args: list[str | int] = [
-            self.consumer_group_name,
-            entry_id,
-            int(self.claim_settings.delete_acked),
-        ]
+        acked = ack_call(
+            stream=stream,
+            started=keys.started,
+            group=self.consumer_group_name,
+            entry_id=entry_id,
+            delete_acked=self.claim_settings.delete_acked,
+        )
 
         async def ack() -> None:
             delivery = self.in_flight.get(stream, entry_id)
@@ -336,7 +338,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             pipelined = self.in_flight.pipelined
             if plain and pipelined is not None:
                 # Bounded by the pipeline's own reply deadline.
-                await pipelined.call(ACK, [stream, keys.started], ack_args)
+                await pipelined.call(acked)
                 return
             await within(REPLY_MARGIN_S, awaited_ack(delivery))
 
@@ -350,7 +352,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
                         client, delivery, delivery.unparsable
                     )
                     return
-                await self.scripts.call(client, ACK, [stream, keys.started], ack_args)
+                await self.scripts.run(client, acked)
 
         return ack
 

@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import DECLINE
+from taskiq_atomic_claim.operations import decline_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
@@ -39,17 +39,16 @@ async def call_decline(
 ) -> int:
     """Hand the entry back unless delivered ``UNKNOWN_TASK_DELIVERIES``
     times; its delivery count, or -1 if the consumer no longer owns it."""
-    return await scripts.call(
+    return await scripts.run(
         client,
-        DECLINE,
-        [keys.stream],
-        [
-            keys.group,
-            consumer,
-            settings.idle_timeout,
-            UNKNOWN_TASK_DELIVERIES,
-            entry_id,
-        ],
+        decline_call(
+            stream=keys.stream,
+            group=keys.group,
+            consumer=consumer,
+            idle_ms=settings.idle_timeout,
+            bound=UNKNOWN_TASK_DELIVERIES,
+            entry_id=entry_id,
+        ),
     )
 
 

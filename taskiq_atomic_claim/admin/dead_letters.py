@@ -13,7 +13,7 @@ from taskiq.formatters.json_formatter import JSONFormatter
 
 from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
-from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
+from taskiq_atomic_claim.operations import requeue_dead_letters_call
 from taskiq_atomic_claim.replies import text as _text
 from taskiq_atomic_claim.scripts import ScriptRunner
 
@@ -171,8 +171,11 @@ async def requeue_dead_letters(
 async def _requeue(
     runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
 ) -> list[tuple[str, str]]:
-    reply = await runner.call(
-        client, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], list(ids)
+    reply = await runner.run(
+        client,
+        requeue_dead_letters_call(
+            dead_letters=keys.dead_letters, stream=keys.stream, dead_letter_ids=ids
+        ),
     )
     return [(_text(old), _text(new)) for old, new in reply]
 

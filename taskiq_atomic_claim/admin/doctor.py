@@ -46,7 +46,7 @@ from taskiq_atomic_claim.admin.inspection import (
     plural,
 )
 from taskiq_atomic_claim.durability import durability_risks
-from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
@@ -332,11 +332,13 @@ async def _expire_lock(
 
 
 async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
-    reply = await ScriptRunner().call(
+    reply = await ScriptRunner().run(
         client,
-        DELETE_IDLE_CONSUMER,
-        [str(finding.stream)],
-        [str(finding.group), str(finding.consumer)],
+        delete_idle_consumer_call(
+            stream=str(finding.stream),
+            group=str(finding.group),
+            consumer=str(finding.consumer),
+        ),
     )
     if int(reply) == -1:
         return False, "it read entries meanwhile; left alone"
