@@ -36,7 +36,12 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_errors import group_exists, is_outage, stream_missing
+from taskiq_atomic_claim.server_errors import (
+    group_exists,
+    is_missing_key,
+    is_outage,
+    stream_missing,
+)
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -151,6 +156,8 @@ async def first_position(client: Any, stream: str, consumer_id: str) -> str:
         return consumer_id
     try:
         groups = _groups(await client.execute_command("XINFO", "GROUPS", stream))
-    except ResponseError:  # no such key: "$" and "0" are the same
-        return "0"
+    except ResponseError as error:
+        if not is_missing_key(error):
+            raise
+        return "0"  # no stream: "$" and "0" are the same
     return consumer_id if groups else "0"

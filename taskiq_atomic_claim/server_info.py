@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.server_errors import is_missing_script, is_permission_denied
 
 _NUMERIC = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 # A script that cannot be loaded anywhere: calling it by SHA answers NOSCRIPT
@@ -184,15 +185,12 @@ async def probe_scripting(client: InfoClient, functions: bool) -> str:
         probe = ("EVALSHA", _PROBE_SHA.hexdigest(), 0)
     try:
         await client.execute_command(*probe)
-    except NoScriptError:
-        return ""
-    except NoPermissionError as error:
-        return f"{probe[0]} refused for this user ({error})"
     except ResponseError as error:
-        message = str(error)
-        if "function not found" in message.lower():
+        if is_missing_script(error):
             return ""
-        return f"{probe[0]} failed ({message.strip()})"
+        if is_permission_denied(error):
+            return f"{probe[0]} refused for this user ({error})"
+        return f"{probe[0]} failed ({str(error).strip()})"
     return ""
 
 

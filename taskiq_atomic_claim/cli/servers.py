@@ -23,14 +23,15 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import (
     AuthenticationError,
-    NoPermissionError,
     RedisClusterException,
     RedisError,
+    ResponseError,
 )
 
 from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.server_errors import is_permission_denied
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -198,7 +199,9 @@ def _address(url: str) -> str:
 async def _require_redis(client: Any, where: str) -> None:
     try:
         info = await client.execute_command("INFO", "server")
-    except NoPermissionError:
+    except ResponseError as error:
+        if not is_permission_denied(error):
+            raise
         return  # a restricted user: the commands themselves will tell
     except _UNPARSABLE:
         info = None  # a reply no INFO parser could read
