@@ -23,10 +23,11 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import ClaimKeys, ack_call, claim_call
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
 

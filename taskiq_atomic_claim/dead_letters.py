@@ -8,12 +8,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import dead_letter_call
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.scripts import ScriptRunner
 
 logger = logging.getLogger("taskiq.atomic_claim")
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import (
     group_exists,
@@ -83,7 +84,7 @@ class GroupPositions:
         if known is None or _id_key(entry_id) > _id_key(known):
             self._last[stream] = entry_id
 
-    async def learn(self, client: Any, streams: list[str], group: str) -> None:
+    async def learn(self, client: ScriptClient, streams: list[str], group: str) -> None:
         """Read each group's last-delivered-id; never raises (a refused
         XINFO leaves only what reads teach, logged at debug)."""
         for stream in streams:
@@ -98,7 +99,11 @@ class GroupPositions:
 
 
 async def recreate_group(
-    client: Any, stream: str, group: str, remembered: str | None, mkstream: bool
+    client: ScriptClient,
+    stream: str,
+    group: str,
+    remembered: str | None,
+    mkstream: bool,
 ) -> str | None:
     """Create ``group`` on ``stream`` where it skips nothing (module doc).
 
@@ -116,7 +121,7 @@ async def recreate_group(
 
 
 async def create_group(
-    client: Any, stream: str, group: str, start: str, mkstream: bool
+    client: ScriptClient, stream: str, group: str, start: str, mkstream: bool
 ) -> bool:
     """XGROUP CREATE; False when the group exists already (BUSYGROUP).
 
@@ -142,7 +147,7 @@ async def create_group(
     return True
 
 
-async def first_position(client: Any, stream: str, consumer_id: str) -> str:
+async def first_position(client: ScriptClient, stream: str, consumer_id: str) -> str:
     """Where a worker starting up creates a group that does not exist.
 
     ``consumer_id`` (taskiq-redis's ``$`` by default: only new entries),

@@ -27,10 +27,11 @@ from enum import Enum
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.operations import OPERATIONS, Operation, OperationCall
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script
@@ -48,12 +49,6 @@ _KEYS_LINE = re.compile(r"^  KEYS\[(?:(\d+)i\+)?(\d+)\]  ", re.MULTILINE)
 _ARGV_LINE = re.compile(r"^  ARGV\[(\d+)(\.\.n?|\+i)?\]  (.*)$", re.MULTILINE)
 
 ReplyT = TypeVar("ReplyT")
-
-
-class ScriptClient(Protocol):
-    """The slice of a redis-py asyncio client the runner needs."""
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
 
 
 def lua_directory() -> Path:

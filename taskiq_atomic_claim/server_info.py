@@ -14,10 +14,11 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script, is_permission_denied
 
@@ -29,10 +30,6 @@ PROBE_FUNCTION = "taskiq_atomic_claim_probe_never_loaded"
 
 LUA_CLAIM = "lua claim script"
 NATIVE_CLAIM = "native XREADGROUP CLAIM"
-
-
-class InfoClient(Protocol):
-    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
 
 
 class ScriptingUnavailableError(RuntimeError):
@@ -171,7 +168,7 @@ class ServerInfo:
         )
 
 
-async def probe_scripting(client: InfoClient, functions: bool) -> str:
+async def probe_scripting(client: ScriptClient, functions: bool) -> str:
     """An empty string when scripts run for this connection, else why not.
 
     Calls what a worker's ACL already grants (FCALL on servers with
@@ -194,7 +191,7 @@ async def probe_scripting(client: InfoClient, functions: bool) -> str:
     return ""
 
 
-async def read_server_info(client: InfoClient, *, probe: bool = False) -> ServerInfo:
+async def read_server_info(client: ScriptClient, *, probe: bool = False) -> ServerInfo:
     """``INFO server`` once; with ``probe``, also whether scripts run."""
     info = ServerInfo.from_info(await client.execute_command("INFO", "server"))
     if not probe:
