@@ -31,8 +31,8 @@ from taskiq_redis import RedisStreamBroker
 
 from benchmarks.stats import p50
 from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.kicking import IDMP_MAXSIZE, producer_id
-from taskiq_atomic_claim.scripts import ScriptClient
 from taskiq_atomic_claim.server_info import read_server_info
 
 TASK_NAME = "bench.kick"

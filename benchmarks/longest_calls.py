@@ -45,13 +45,14 @@ from taskiq_atomic_claim.claim import claim_streams
 from taskiq_atomic_claim.in_flight import MIN_STARTED_TTL_MS, SCRIPT_BATCH
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import (
-    ACK,
-    DEAD_LETTER,
-    DECLINE,
-    DROP_TRIMMED,
-    HAND_BACK,
-    SET_IDLE,
-    START,
+    OperationCall,
+    ack_call,
+    dead_letter_call,
+    decline_call,
+    drop_trimmed_call,
+    hand_back_call,
+    set_idle_call,
+    start_call,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -136,13 +137,10 @@ class Timings:
             self.us.setdefault(CLAIM_FETCH, []).append(int(entry["duration"]))
         return reply
 
-    async def script(
-        self, operation: Any, keys: list[str], args: list[str | int]
-    ) -> Any:
+    async def script(self, call: OperationCall[_T]) -> _T:
+        name = call.operation.name
         return await self.timed(
-            operation.name,
-            await self.invocation(operation.name),
-            self.runner.call(self.client, operation, keys, args),
+            name, await self.invocation(name), self.runner.run(self.client, call)
         )
 
     async def invocation(self, name: str) -> str:
@@ -209,9 +207,15 @@ async def recover(
     start = "-"
     for _ in range(bound):
         start, _dropped = await timings.script(
-            DROP_TRIMMED,
-            [keys.stream, keys.started],
-            [GROUP, IDLE_TIMEOUT, batch, start, ALIVE],
+            drop_trimmed_call(
+                stream=keys.stream,
+                started=keys.started,
+                group=GROUP,
+                min_idle_ms=IDLE_TIMEOUT,
+                count=batch,
+                start=start,
+                consumer=ALIVE,
+            )
         )
         if text(start) == "-":
             break
@@ -223,7 +227,11 @@ async def recover(
         )
         ids = [entry.id for entry in outcome.entries]
         if ids:
-            await timings.script(START, [keys.started], [MIN_STARTED_TTL_MS, *ids])
+            await timings.script(
+                start_call(
+                    started=keys.started, ttl_ms=MIN_STARTED_TTL_MS, entry_ids=ids
+                )
+            )
         held += ids
         if not outcome.full:
             break
@@ -231,7 +239,15 @@ async def recover(
         raise RuntimeError(f"claimed {len(held)} of {len(present)} entries")
     for first in range(0, len(held), SCRIPT_BATCH):
         chunk = held[first : first + SCRIPT_BATCH]
-        await timings.script(SET_IDLE, [keys.stream], [GROUP, ALIVE, 0, *chunk])
+        await timings.script(
+            set_idle_call(
+                stream=keys.stream,
+                group=GROUP,
+                consumer=ALIVE,
+                idle_ms=0,
+                entry_ids=chunk,
+            )
+        )
     await hand_back_all(timings, keys, held)
 
     read, cursor = 0, "0-0"
@@ -278,14 +294,35 @@ async def recover(
             raise RuntimeError(f"the reads reclaimed {read} of {len(present)}")
 
     for entry_id in held[2:]:
-        await timings.script(ACK, [keys.stream, keys.started], [GROUP, entry_id, "0"])
+        await timings.script(
+            ack_call(
+                stream=keys.stream,
+                started=keys.started,
+                group=GROUP,
+                entry_id=entry_id,
+                delete_acked=False,
+            )
+        )
     await timings.script(
-        DECLINE, [keys.stream], [GROUP, ALIVE, IDLE_TIMEOUT, 1000, held[0]]
+        decline_call(
+            stream=keys.stream,
+            group=GROUP,
+            consumer=ALIVE,
+            idle_ms=IDLE_TIMEOUT,
+            bound=1000,
+            entry_id=held[0],
+        )
     )
     await timings.script(
-        DEAD_LETTER,
-        [keys.stream, keys.dead_letters, keys.started],
-        [GROUP, held[1], "bench", "0"],
+        dead_letter_call(
+            stream=keys.stream,
+            dead_letters=keys.dead_letters,
+            started=keys.started,
+            group=GROUP,
+            entry_id=held[1],
+            reason="bench",
+            delete_acked=False,
+        )
     )
     await client.delete(keys.stream, keys.dead_letters, keys.started)
     row = {
@@ -314,9 +351,15 @@ async def hand_back_all(timings: Timings, keys: StreamKeys, held: list[str]) -> 
     for first in range(0, len(held), SCRIPT_BATCH):
         chunk = held[first : first + SCRIPT_BATCH]
         await timings.script(
-            HAND_BACK,
-            [keys.stream, keys.started],
-            [GROUP, ALIVE, IDLE_TIMEOUT, len(chunk), *chunk],
+            hand_back_call(
+                stream=keys.stream,
+                started=keys.started,
+                group=GROUP,
+                consumer=ALIVE,
+                idle_ms=IDLE_TIMEOUT,
+                n_started=len(chunk),
+                entry_ids=chunk,
+            )
         )
 
 

@@ -7,9 +7,10 @@
 
   ARGV[1]  group
   ARGV[2]  entry id
-  ARGV[3]  "1": ack with XACKDEL ... ACKED (Redis >= 8.2), deleting the
-           entry from the stream once no group still needs it
-           (delete_acked); anything else: XACK only
+  ARGV[3]  delete_acked              "1": ack with XACKDEL ... ACKED (Redis
+                                     >= 8.2), deleting the entry from the
+                                     stream once no group still needs it;
+                                     anything else: XACK only
 
   Returns 1 if the entry was pending in the group, else 0.
 

@@ -25,7 +25,7 @@
   ARGV[7]  delete_acked              "1": dead-lettered entries are acked with
                                      XACKDEL ... ACKED (Redis >= 8.2), as
                                      ack.lua acks; anything else: XACK only
-  ARGV[8+i] count                    XAUTOCLAIM COUNT for stream i
+  ARGV[8+i]  counts                  XAUTOCLAIM COUNT for stream i
 
   Returns one reply per stream, in KEYS order, each one of
     {"skipped", holder, lease_pttl_ms}

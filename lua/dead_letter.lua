@@ -11,11 +11,13 @@
   ARGV[1]  group
   ARGV[2]  entry id
   ARGV[3]  reason
-  ARGV[4]  "1": ack with XACKDEL ... ACKED (Redis >= 8.2), deleting the
-           entry from the stream once no group still needs it, as ack.lua
-           does (delete_acked); anything else: XACK only
-  ARGV[5]  optional: the count to record as its deliveries (the start
-           count, when it goes for max_deliveries); else the PEL's count
+  ARGV[4]  delete_acked              "1": ack with XACKDEL ... ACKED (Redis
+                                     >= 8.2), deleting the entry from the
+                                     stream once no group still needs it, as
+                                     ack.lua does; anything else: XACK only
+  ARGV[5]  deliveries                optional: the count to record as its
+                                     deliveries (the start count, when it
+                                     goes for max_deliveries); else the PEL's
 
   Returns {dead_letter_id, data} when moved (data: the entry's "data"
   field, false when it has none), {} when the entry was already gone from

@@ -13,7 +13,8 @@
   ARGV[1]  group
   ARGV[2]  consumer                  the caller
   ARGV[3]  idle_ms                   idle time to set (idle_timeout or 0)
-  ARGV[4]  n                         the first n ids had a start recorded here
+  ARGV[4]  n_started                 the first n_started ids had a start
+                                     recorded here
   ARGV[5..]  entry ids (the caller sends at most 1000 per call)
 
   Returns {id, ...}: the ids the caller no longer owns; those were left

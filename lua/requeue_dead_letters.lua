@@ -4,7 +4,8 @@
   KEYS[1]  dead-letter stream        data
   KEYS[2]  stream                    data
 
-  ARGV[1..n]  dead-letter entry ids (the caller sends them in bounded batches)
+  ARGV[1..n]  dead-letter ids          entry ids in the dead-letter stream (the
+                                     caller sends them in bounded batches)
 
   Returns {{dead_letter_id, new_stream_id}, ...} for each entry requeued.
   Ids that are not in the dead-letter stream are skipped.

@@ -7,7 +7,7 @@
   KEYS[1]  started hash              coordination, always expires
 
   ARGV[1]  ttl_ms                    lifetime of the hash, renewed here
-  ARGV[2..n]  entry ids starting now
+  ARGV[2..n]  entry ids              the entries whose tasks start now
 
   Returns the number of ids recorded.
 

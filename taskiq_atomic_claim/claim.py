@@ -23,10 +23,11 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import ACK, CLAIM
+from taskiq_atomic_claim.operations import ClaimKeys, ack_call, claim_call
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
 
@@ -104,9 +105,11 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
 
 
 @functools.lru_cache(maxsize=1024)
-def _script_keys(keys: StreamKeys) -> tuple[str, ...]:
+def _script_keys(keys: StreamKeys) -> ClaimKeys:
     # Built once per stream, not per claim: claims are a hot path.
-    return (keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started)
+    return ClaimKeys(
+        keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started
+    )
 
 
 async def claim_idle_entries(
@@ -142,20 +145,19 @@ async def claim_streams(
         raise ValueError("claim_streams: every stream must be of one consumer group")
     if counts is None:
         counts = [settings.batch_size] * len(streams)
-    replies = await runner.call(
+    replies = await runner.run(
         client,
-        CLAIM,
-        [key for keys in streams for key in _script_keys(keys)],
-        [
-            group,
-            consumer,
-            settings.idle_timeout,
-            settings.lease,
-            settings.cursor_ttl,
-            settings.max_deliveries,
-            int(settings.delete_acked),
-            *counts,
-        ],
+        claim_call(
+            keys=[_script_keys(keys) for keys in streams],
+            group=group,
+            consumer=consumer,
+            min_idle_ms=settings.idle_timeout,
+            lease_ms=settings.lease,
+            cursor_ttl_ms=settings.cursor_ttl,
+            max_deliveries=settings.max_deliveries,
+            delete_acked=settings.delete_acked,
+            counts=counts,
+        ),
     )
     outcomes = [_parse(reply) for reply in replies]
     # An idle cycle (nothing claimed) stays one round trip.
@@ -210,11 +212,15 @@ async def _fetch_fields(
     for entry_id in gone:
         # Rare: only entries trimmed or deleted while pending. 7.x's XCLAIM
         # already took them out of the PEL; the ack forgets their start count.
-        await runner.call(
+        await runner.run(
             client,
-            ACK,
-            [keys.stream, keys.started],
-            [keys.group, entry_id, int(settings.delete_acked)],
+            ack_call(
+                stream=keys.stream,
+                started=keys.started,
+                group=keys.group,
+                entry_id=entry_id,
+                delete_acked=settings.delete_acked,
+            ),
         )
     return replace(
         outcome,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import (
     MAX_DELIVERIES_EXCEEDED,
     log_crashed_out,
@@ -16,9 +17,9 @@ from taskiq_atomic_claim.dead_letter_policy import (
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.operations import DEAD_LETTER
+from taskiq_atomic_claim.operations import dead_letter_call
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.scripts import ScriptRunner
 
 
 async def move_to_dead_letters(
@@ -37,12 +38,18 @@ async def move_to_dead_letters(
     entry leaves its stream once no group still needs it. ``deliveries`` is
     recorded in place of the PEL's delivery count. ``results`` stores the
     task's error result once it moved."""
-    extra = [] if deliveries is None else [deliveries]
-    reply = await runner.call(
+    reply = await runner.run(
         client,
-        DEAD_LETTER,
-        [keys.stream, keys.dead_letters, keys.started],
-        [keys.group, entry_id, reason, int(delete_acked), *extra],
+        dead_letter_call(
+            stream=keys.stream,
+            dead_letters=keys.dead_letters,
+            started=keys.started,
+            group=keys.group,
+            entry_id=entry_id,
+            reason=reason,
+            delete_acked=delete_acked,
+            deliveries=deliveries,
+        ),
     )
     if not reply:
         return None

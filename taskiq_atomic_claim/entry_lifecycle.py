@@ -48,6 +48,7 @@ from typing import Any
 from taskiq import AckableMessage
 
 from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import (
     NO_DATA_FIELD,
     dropped_reason,
@@ -60,10 +61,16 @@ from taskiq_atomic_claim.dead_letters import DeadLettering
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.operations import ACK, HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.operations import (
+    OperationCall,
+    ack_call,
+    hand_back_call,
+    set_idle_call,
+    start_call,
+)
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
     drop_idle_connections,
@@ -280,7 +287,11 @@ class EntryLifecycle:
         assert self.pipelined is not None
         keys = self.keys(delivery.stream)
         call = self.pipelined.submit(
-            START, [keys.started], [self.started_ttl, delivery.entry_id]
+            start_call(
+                started=keys.started,
+                ttl_ms=self.started_ttl,
+                entry_ids=(delivery.entry_id,),
+            )
         )
         try:
             await call.written
@@ -329,11 +340,13 @@ class EntryLifecycle:
         keys = self.keys(stream)
         for start in range(0, len(waiting), SCRIPT_BATCH):
             chunk = waiting[start : start + SCRIPT_BATCH]
-            await self.scripts.call(
+            await self.scripts.run(
                 client,
-                START,
-                [keys.started],
-                [self.started_ttl, *(d.entry_id for d, _ in chunk)],
+                start_call(
+                    started=keys.started,
+                    ttl_ms=self.started_ttl,
+                    entry_ids=[d.entry_id for d, _ in chunk],
+                ),
             )
             for delivery, waiter in chunk:
                 delivery.started = True
@@ -393,11 +406,13 @@ class EntryLifecycle:
         entry taskiq could not parse goes to dead letters instead, one whose
         task is unknown here is declined."""
         keys = self.keys(stream)
-        ack_args: list[str | int] = [
-            self.group,
-            entry_id,
-            int(self.settings.delete_acked),
-        ]
+        acked = ack_call(
+            stream=stream,
+            started=keys.started,
+            group=self.group,
+            entry_id=entry_id,
+            delete_acked=self.settings.delete_acked,
+        )
         delivery = self._held.get((stream, entry_id))
         plain = delivery is None or (
             delivery.unknown_task is None and delivery.unparsable is None
@@ -405,12 +420,12 @@ class EntryLifecycle:
         pipelined = self.pipelined
         if plain and pipelined is not None:
             # Bounded by the pipeline's own reply deadline.
-            await pipelined.call(ACK, [stream, keys.started], ack_args)
+            await pipelined.call(acked)
             return
-        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, keys, ack_args))
+        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, acked))
 
     async def _awaited_ack(
-        self, delivery: Delivery | None, keys: StreamKeys, ack_args: list[str | int]
+        self, delivery: Delivery | None, acked: OperationCall[int]
     ) -> None:
         async with self.connect() as client:
             if delivery is not None and delivery.unknown_task is not None:
@@ -419,7 +434,7 @@ class EntryLifecycle:
             if delivery is not None and delivery.unparsable is not None:
                 await self.dead_letter(client, delivery, delivery.unparsable)
                 return
-            await self.scripts.call(client, ACK, [keys.stream, keys.started], ack_args)
+            await self.scripts.run(client, acked)
 
     # Heartbeat and hand-back.
 
@@ -519,11 +534,15 @@ class EntryLifecycle:
             ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
                 chunk = ids[start : start + SCRIPT_BATCH]
-                lost = await self.scripts.call(
+                lost = await self.scripts.run(
                     client,
-                    SET_IDLE,
-                    [stream],
-                    [self.group, self.consumer, idle_ms, *chunk],
+                    set_idle_call(
+                        stream=stream,
+                        group=self.group,
+                        consumer=self.consumer,
+                        idle_ms=idle_ms,
+                        entry_ids=chunk,
+                    ),
                 )
                 if idle_ms == 0:
                     self.metrics.add("heartbeats", stream)
@@ -545,11 +564,17 @@ class EntryLifecycle:
                 chunk = in_stream[start : start + SCRIPT_BATCH]
                 ids = [d.entry_id for d in chunk]
                 n_started = sum(d.started for d in chunk)
-                lost = await self.scripts.call(
+                lost = await self.scripts.run(
                     client,
-                    HAND_BACK,
-                    [stream, keys.started],
-                    [self.group, self.consumer, idle_ms, n_started, *ids],
+                    hand_back_call(
+                        stream=stream,
+                        started=keys.started,
+                        group=self.group,
+                        consumer=self.consumer,
+                        idle_ms=idle_ms,
+                        n_started=n_started,
+                        entry_ids=ids,
+                    ),
                 )
                 handed += len(chunk) - len(lost)
                 if idle_ms:

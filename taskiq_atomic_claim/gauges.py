@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from taskiq import TaskiqMiddleware
 
@@ -84,7 +85,7 @@ class GroupGauges:
 
 
 async def pending_idle_by_consumer(
-    client: Any, stream: str, group: str, pending: int
+    client: Redis, stream: str, group: str, pending: int
 ) -> tuple[dict[str, int], int]:
     """Per consumer, the idle ms of its longest-idle pending entry among the
     first ``PEL_SCAN_LIMIT`` of the PEL; and how many entries were read."""
@@ -101,7 +102,7 @@ async def pending_idle_by_consumer(
     return oldest, len(scanned)
 
 
-async def read_group_gauges(client: Any, stream: str, group: str) -> GroupGauges:
+async def read_group_gauges(client: Redis, stream: str, group: str) -> GroupGauges:
     """The gauges of one (stream, group), read from the server: a handful of
     calls whatever the size of the stream (XINFO CONSUMERS lists every
     consumer, the PEL is read up to ``PEL_SCAN_LIMIT``)."""

@@ -35,8 +35,14 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_errors import group_exists, is_outage, stream_missing
+from taskiq_atomic_claim.server_errors import (
+    group_exists,
+    is_missing_key,
+    is_outage,
+    stream_missing,
+)
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -78,7 +84,7 @@ class GroupPositions:
         if known is None or _id_key(entry_id) > _id_key(known):
             self._last[stream] = entry_id
 
-    async def learn(self, client: Any, streams: list[str], group: str) -> None:
+    async def learn(self, client: ScriptClient, streams: list[str], group: str) -> None:
         """Read each group's last-delivered-id; never raises (a refused
         XINFO leaves only what reads teach, logged at debug)."""
         for stream in streams:
@@ -93,7 +99,11 @@ class GroupPositions:
 
 
 async def recreate_group(
-    client: Any, stream: str, group: str, remembered: str | None, mkstream: bool
+    client: ScriptClient,
+    stream: str,
+    group: str,
+    remembered: str | None,
+    mkstream: bool,
 ) -> str | None:
     """Create ``group`` on ``stream`` where it skips nothing (module doc).
 
@@ -111,7 +121,7 @@ async def recreate_group(
 
 
 async def create_group(
-    client: Any, stream: str, group: str, start: str, mkstream: bool
+    client: ScriptClient, stream: str, group: str, start: str, mkstream: bool
 ) -> bool:
     """XGROUP CREATE; False when the group exists already (BUSYGROUP).
 
@@ -137,7 +147,7 @@ async def create_group(
     return True
 
 
-async def first_position(client: Any, stream: str, consumer_id: str) -> str:
+async def first_position(client: ScriptClient, stream: str, consumer_id: str) -> str:
     """Where a worker starting up creates a group that does not exist.
 
     ``consumer_id`` (taskiq-redis's ``$`` by default: only new entries),
@@ -151,6 +161,8 @@ async def first_position(client: Any, stream: str, consumer_id: str) -> str:
         return consumer_id
     try:
         groups = _groups(await client.execute_command("XINFO", "GROUPS", stream))
-    except ResponseError:  # no such key: "$" and "0" are the same
-        return "0"
+    except ResponseError as error:
+        if not is_missing_key(error):
+            raise
+        return "0"  # no stream: "$" and "0" are the same
     return consumer_id if groups else "0"

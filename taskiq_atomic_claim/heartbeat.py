@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
-from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -197,11 +197,13 @@ class Heartbeating:
                 async with self._connection() as client:
                     kept = await within(
                         REPLY_MARGIN_S,
-                        self.scripts.call(
+                        self.scripts.run(
                             client,
-                            DELETE_IDLE_CONSUMER,
-                            [stream],
-                            [self.consumer_group_name, self.consumer_name],
+                            delete_idle_consumer_call(
+                                stream=stream,
+                                group=self.consumer_group_name,
+                                consumer=self.consumer_name,
+                            ),
                         ),
                     )
             except Exception as error:

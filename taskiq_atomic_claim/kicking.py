@@ -27,7 +27,7 @@ from typing import Any
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.backoff import Backoff
-from taskiq_atomic_claim.operations import SET_IDEMPOTENCY
+from taskiq_atomic_claim.operations import set_idempotency_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -146,11 +146,13 @@ class Kicking:
         idempotency_window) forget the ids remembered so far."""
         if self._idempotency_set.get(stream) is server:
             return
-        await self.scripts.call(
+        await self.scripts.run(
             client,
-            SET_IDEMPOTENCY,
-            [stream],
-            [self.claim_settings.idempotency_window, IDMP_MAXSIZE],
+            set_idempotency_call(
+                stream=stream,
+                duration_s=self.claim_settings.idempotency_window,
+                maxsize=IDMP_MAXSIZE,
+            ),
         )
         self._idempotency_set[stream] = server
 

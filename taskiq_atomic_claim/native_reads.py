@@ -21,7 +21,7 @@ from taskiq_atomic_claim.dead_letter_policy import crashed_out
 from taskiq_atomic_claim.in_flight import InFlight
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
-from taskiq_atomic_claim.operations import DROP_TRIMMED
+from taskiq_atomic_claim.operations import drop_trimmed_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
@@ -160,17 +160,17 @@ class NativeReads:
         call, from where the last call stopped (kept here, not in a key)."""
         for stream in self.streams:
             keys = StreamKeys(stream, self.consumer_group_name)
-            next_start, trimmed = await self.scripts.call(
+            next_start, trimmed = await self.scripts.run(
                 client,
-                DROP_TRIMMED,
-                [stream, keys.started],
-                [
-                    self.consumer_group_name,
-                    self.claim_settings.idle_timeout,
-                    self.claim_settings.batch_size,
-                    self._sweep_from.get(stream, "-"),
-                    self.consumer_name,
-                ],
+                drop_trimmed_call(
+                    stream=stream,
+                    started=keys.started,
+                    group=self.consumer_group_name,
+                    min_idle_ms=self.claim_settings.idle_timeout,
+                    count=self.claim_settings.batch_size,
+                    start=self._sweep_from.get(stream, "-"),
+                    consumer=self.consumer_name,
+                ),
             )
             self._sweep_from[stream] = text(next_start)
             report_trimmed(

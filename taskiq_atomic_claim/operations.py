@@ -1,11 +1,15 @@
 """Every server-side operation in ``lua/``, declared once: its keys, its
-reply, and whether it runs out of memory.
+ARGV, its reply, and whether it runs out of memory.
 
-Callers pass one of these to ``ScriptRunner.call``, which refuses a call with
-the wrong number of keys before any round trip. At import ``scripts.py``
-checks each declaration against its Lua file's header (the ``KEYS[n]``
-lines), and every Lua file must be declared here, so the two cannot drift
-apart.
+Each operation has one function here, ``<name>_call``, taking its keys by
+role and its arguments by name (keyword-only), and returning an
+``OperationCall`` typed by the operation's reply: the one place its ARGV
+order is written, so a swapped argument is a type error or a wrong name,
+not a silent misuse. ``ScriptRunner.run`` (awaited) and
+``PipelinedCalls.call`` (pipelined) take that value. A test checks every
+function's KEYS and ARGV against its Lua file's header; at import
+``scripts.py`` checks each declaration's key count against it, and every
+Lua file must be declared here, so the two cannot drift apart.
 
 Out of memory (``maxmemory`` reached, ``noeviction``: producers outpacing
 consumers) kicks are refused; what workers do with what they already read
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 ReplyT = TypeVar("ReplyT")
 
@@ -30,7 +34,8 @@ ReplyT = TypeVar("ReplyT")
 @dataclass(frozen=True)
 class Operation(Generic[ReplyT]):
     """A server-side operation, ``lua/<name>.lua``: what its KEYS are, and
-    (as the type parameter) what it replies."""
+    (as the type parameter) what it replies. Called through its
+    ``<name>_call`` function."""
 
     name: str
     keys: tuple[str, ...]  # what KEYS[1], KEYS[2], ... are, for error messages
@@ -130,3 +135,177 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     SET_IDLE,
     START,
 )
+
+
+class OperationCall(Generic[ReplyT]):
+    """One call of an operation, bound to its keys and ARGV, typed by its
+    reply; built by the operation's ``<name>_call`` function. A wrong key
+    count is refused here, before any round trip."""
+
+    __slots__ = ("args", "keys", "operation")
+
+    def __init__(
+        self,
+        operation: Operation[ReplyT],
+        keys: tuple[str, ...],
+        args: tuple[str | int, ...],
+    ) -> None:
+        operation.check_keys(keys)
+        self.operation = operation
+        self.keys = keys
+        self.args = args
+
+    def __repr__(self) -> str:
+        return f"OperationCall({self.operation.name!r}, {self.keys!r}, {self.args!r})"
+
+
+class ClaimKeys(NamedTuple):
+    """The keys ``claim`` takes for one stream, by role."""
+
+    stream: str
+    lease: str
+    cursor: str
+    dead_letters: str
+    started: str
+
+
+def _flag(value: bool) -> int:
+    # The scripts test ARGV against "1": an int, never a bool (redis-py
+    # refuses bools).
+    return 1 if value else 0
+
+
+def ack_call(
+    *, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
+) -> OperationCall[int]:
+    return OperationCall(ACK, (stream, started), (group, entry_id, _flag(delete_acked)))
+
+
+def claim_call(
+    *,
+    keys: Sequence[ClaimKeys],
+    group: str,
+    consumer: str,
+    min_idle_ms: int,
+    lease_ms: int,
+    cursor_ttl_ms: int,
+    max_deliveries: int,
+    delete_acked: bool,
+    counts: Sequence[int],
+) -> OperationCall[list[Any]]:
+    """``keys`` and ``counts``: one each per stream, in the same order."""
+    if len(counts) != len(keys):
+        raise TypeError(
+            f"claim takes one count per stream: {len(keys)} streams,"
+            f" {len(counts)} counts"
+        )
+    return OperationCall(
+        CLAIM,
+        tuple(key for of_stream in keys for key in of_stream),
+        (
+            group,
+            consumer,
+            min_idle_ms,
+            lease_ms,
+            cursor_ttl_ms,
+            max_deliveries,
+            _flag(delete_acked),
+            *counts,
+        ),
+    )
+
+
+def dead_letter_call(
+    *,
+    stream: str,
+    dead_letters: str,
+    started: str,
+    group: str,
+    entry_id: str,
+    reason: str,
+    delete_acked: bool,
+    deliveries: int | None = None,
+) -> OperationCall[list[Any]]:
+    """``deliveries``: the count to record, else the PEL's."""
+    extra = () if deliveries is None else (deliveries,)
+    return OperationCall(
+        DEAD_LETTER,
+        (stream, dead_letters, started),
+        (group, entry_id, reason, _flag(delete_acked), *extra),
+    )
+
+
+def decline_call(
+    *, stream: str, group: str, consumer: str, idle_ms: int, bound: int, entry_id: str
+) -> OperationCall[int]:
+    return OperationCall(
+        DECLINE, (stream,), (group, consumer, idle_ms, bound, entry_id)
+    )
+
+
+def delete_idle_consumer_call(
+    *, stream: str, group: str, consumer: str
+) -> OperationCall[int]:
+    return OperationCall(DELETE_IDLE_CONSUMER, (stream,), (group, consumer))
+
+
+def drop_trimmed_call(
+    *,
+    stream: str,
+    started: str,
+    group: str,
+    min_idle_ms: int,
+    count: int,
+    start: str,
+    consumer: str,
+) -> OperationCall[list[Any]]:
+    return OperationCall(
+        DROP_TRIMMED,
+        (stream, started),
+        (group, min_idle_ms, count, start, consumer),
+    )
+
+
+def hand_back_call(
+    *,
+    stream: str,
+    started: str,
+    group: str,
+    consumer: str,
+    idle_ms: int,
+    n_started: int,
+    entry_ids: Sequence[str],
+) -> OperationCall[list[Any]]:
+    """``n_started``: the first that many of ``entry_ids`` had a start
+    recorded here."""
+    return OperationCall(
+        HAND_BACK,
+        (stream, started),
+        (group, consumer, idle_ms, n_started, *entry_ids),
+    )
+
+
+def requeue_dead_letters_call(
+    *, dead_letters: str, stream: str, dead_letter_ids: Sequence[str]
+) -> OperationCall[list[Any]]:
+    return OperationCall(
+        REQUEUE_DEAD_LETTERS, (dead_letters, stream), tuple(dead_letter_ids)
+    )
+
+
+def set_idempotency_call(
+    *, stream: str, duration_s: int, maxsize: int
+) -> OperationCall[Any]:
+    return OperationCall(SET_IDEMPOTENCY, (stream,), (duration_s, maxsize))
+
+
+def set_idle_call(
+    *, stream: str, group: str, consumer: str, idle_ms: int, entry_ids: Sequence[str]
+) -> OperationCall[list[Any]]:
+    return OperationCall(SET_IDLE, (stream,), (group, consumer, idle_ms, *entry_ids))
+
+
+def start_call(
+    *, started: str, ttl_ms: int, entry_ids: Sequence[str]
+) -> OperationCall[int]:
+    return OperationCall(START, (started,), (ttl_ms, *entry_ids))

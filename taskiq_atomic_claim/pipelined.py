@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
 
-from taskiq_atomic_claim.operations import Operation
+from taskiq_atomic_claim.operations import Operation, OperationCall
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.server_errors import is_missing_script
@@ -78,15 +78,12 @@ class PipelinedCalls:
     def available(self) -> bool:
         return self.pool is not None
 
-    def submit(
-        self, operation: Operation[Any], keys: list[str], args: list[str | int]
-    ) -> _Call:
+    def submit(self, bound: OperationCall[Any]) -> _Call:
         """Queue one call for the next write; await ``written`` or ``reply``
         on what it returns."""
-        operation.check_keys(keys)
         call = _Call(
-            operation,
-            (len(keys), *keys, *args),
+            bound.operation,
+            (len(bound.keys), *bound.keys, *bound.args),
             self.scripts.loads,
             asyncio.get_running_loop(),
         )
@@ -95,16 +92,9 @@ class PipelinedCalls:
             self._flushing = asyncio.create_task(self._flush())
         return call
 
-    async def call(
-        self, operation: Operation[ReplyT], keys: list[str], args: list[str | int]
-    ) -> ReplyT:
-        reply: ReplyT = await self.submit(operation, keys, args).reply
+    async def call(self, bound: OperationCall[ReplyT]) -> ReplyT:
+        reply: ReplyT = await self.submit(bound).reply
         return reply
-
-    def _command(self, operation: Operation[Any], functions: bool) -> tuple[str, str]:
-        if functions:
-            return ("FCALL", self.scripts.library.function_name(operation.name))
-        return ("EVALSHA", self.scripts.library.scripts[operation.name].sha)
 
     async def _flush(self) -> None:
         # Whatever else this turn of the loop queues goes in the same write.
@@ -122,7 +112,7 @@ class PipelinedCalls:
                 await connection.send_packed_command(
                     connection.pack_commands(
                         [
-                            (*self._command(c.operation, functions), *c.args)
+                            (*self.scripts.command(c.operation, functions), *c.args)
                             for c in calls
                         ]
                     ),

@@ -11,9 +11,9 @@ can share a server without replacing each other's.
 
 Keys and values only ever travel as KEYS and ARGV; the source never changes
 after import, which is what makes script caching, ACL key patterns and Cluster
-slot routing work. Callers name an operation by its ``Operation`` (see
-``operations.py``), which says how many keys it takes: a call with another
-count is refused before any round trip.
+slot routing work. Callers pass ``run`` an ``OperationCall`` built by the
+operation's ``<name>_call`` function (see ``operations.py``, which declares
+the operations; this module loads and runs them).
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
-from taskiq_atomic_claim.operations import OPERATIONS, Operation
+from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.operations import OPERATIONS, Operation, OperationCall
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import is_missing_script
 from taskiq_atomic_claim.server_info import ServerInfo, read_server_info
@@ -43,14 +44,11 @@ _OPERATION_NAME = re.compile(r"^[a-z_]+$")
 # of its own, unlike KEYS[n] mentioned in the prose).
 # "KEYS[2]", or "KEYS[5i+2]" for an operation taking a group of keys per item.
 _KEYS_LINE = re.compile(r"^  KEYS\[(?:(\d+)i\+)?(\d+)\]  ", re.MULTILINE)
+# A "  ARGV[n]  name  what it is" line: "ARGV[3]", or "ARGV[5..]",
+# "ARGV[5..n]" or "ARGV[8+i]" for one taking the rest.
+_ARGV_LINE = re.compile(r"^  ARGV\[(\d+)(\.\.n?|\+i)?\]  (.*)$", re.MULTILINE)
 
 ReplyT = TypeVar("ReplyT")
-
-
-class ScriptClient(Protocol):
-    """The slice of a redis-py asyncio client the runner needs."""
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
 
 
 def lua_directory() -> Path:
@@ -93,6 +91,35 @@ def declared_keys(source: str) -> tuple[int, bool]:
 
 def declared_key_count(source: str) -> int:
     return declared_keys(source)[0]
+
+
+@dataclass(frozen=True)
+class ArgvDeclaration:
+    """One ``ARGV[n]  name`` line of a Lua file's header; ``rest``: it takes
+    ARGV[n] onward (``ARGV[n..]``, ``ARGV[n..n]``, ``ARGV[n+i]``)."""
+
+    position: int
+    name: str
+    rest: bool
+
+
+def declared_argv(source: str) -> tuple[ArgvDeclaration, ...]:
+    """The ARGV a Lua file's header declares, in order: ``ARGV[1]`` ..
+    ``ARGV[n]``, the last one possibly taking the rest. Its name is its
+    column's text up to two spaces, in words (``entry id``)."""
+    header = source.split("]]", 1)[0]
+    declared = []
+    for position, rest, label in _ARGV_LINE.findall(header):
+        name = re.split(r"\s{2}|\s\(", label.strip(), maxsplit=1)[0]
+        declared.append(
+            ArgvDeclaration(int(position), re.sub(r"[-_ ]+", " ", name), bool(rest))
+        )
+    positions = [d.position for d in declared]
+    if positions != list(range(1, len(declared) + 1)):
+        raise ValueError(f"header ARGV lines must be ARGV[1]..ARGV[n]: {positions}")
+    if any(d.rest for d in declared[:-1]):
+        raise ValueError("only the last header ARGV line may take the rest")
+    return tuple(declared)
 
 
 @dataclass(frozen=True)
@@ -332,17 +359,11 @@ class ScriptRunner:
         state = LibraryState.OUTDATED if others else LibraryState.MISSING
         return LibraryStatus(mode, state, others)
 
-    async def call(
-        self,
-        client: ScriptClient,
-        operation: Operation[ReplyT],
-        keys: Sequence[str],
-        args: Sequence[str | int],
-    ) -> ReplyT:
-        operation.check_keys(keys)
+    async def run(self, client: ScriptClient, call: OperationCall[ReplyT]) -> ReplyT:
+        """Make ``call`` (built by its operation's ``<name>_call`` function)."""
         loads_before = self._loads
         try:
-            reply = await self._invoke(client, operation, keys, args)
+            reply = await self._invoke(client, call)
         except ResponseError as error:
             if not is_missing_script(error):
                 raise
@@ -350,7 +371,7 @@ class ScriptRunner:
             self._loaded = True
             return reply
         await self.reload_after_missing(client, loads_before)
-        return await self._invoke(client, operation, keys, args)
+        return await self._invoke(client, call)
 
     @property
     def loads(self) -> int:
@@ -372,18 +393,22 @@ class ScriptRunner:
             await self.load(client)
             self._loads += 1
 
+    def command(self, operation: Operation[Any], functions: bool) -> tuple[str, str]:
+        """How a call of ``operation`` starts: FCALL or EVALSHA, and what."""
+        if functions:
+            return ("FCALL", self.library.function_name(operation.name))
+        return ("EVALSHA", self.library.scripts[operation.name].sha)
+
     async def _invoke(
-        self,
-        client: ScriptClient,
-        operation: Operation[ReplyT],
-        keys: Sequence[str],
-        args: Sequence[str | int],
+        self, client: ScriptClient, call: OperationCall[ReplyT]
     ) -> ReplyT:
-        if (await self.server(client)).functions:
-            command = ("FCALL", self.library.function_name(operation.name))
-        else:
-            command = ("EVALSHA", self.library.scripts[operation.name].sha)
-        reply: ReplyT = await client.execute_command(*command, len(keys), *keys, *args)
+        functions = (await self.server(client)).functions
+        reply: ReplyT = await client.execute_command(
+            *self.command(call.operation, functions),
+            len(call.keys),
+            *call.keys,
+            *call.args,
+        )
         return reply
 
 

@@ -39,8 +39,7 @@ from taskiq_redis import RedisStreamSentinelBroker
 
 from taskiq_atomic_claim.claim import ClaimOutcome
 from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
-from taskiq_atomic_claim.server_calls import UNREACHABLE
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_errors import UNREACHABLE, Fault, classify, is_outage
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
     DEFAULT_KICK_PATIENCE_S,

@@ -10,12 +10,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from taskiq_atomic_claim.server_errors import Fault, classify
 
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # No reply within this (beyond a read's own block) means the connection is
 # dead, e.g. half-open after a host vanished: without a socket_timeout
 # redis-py would wait for ever. Generous, as a busy server stalls for seconds.

@@ -5,12 +5,13 @@ answer: wait an outage out, recreate a missing group, or raise a usage error
 (a bug or a misconfiguration that retrying cannot fix). Nothing else in the
 package matches error texts.
 
-redis-py turns most error replies into an exception class by the reply's
-first word (``OOM`` -> ``OutOfMemoryError``, ``READONLY`` ->
-``ReadOnlyError``, ...); replies it has no class for arrive as a plain
-``ResponseError`` and are told apart here by that same first word. Redis 6.2
-wraps an error raised inside a script as ``ERR Error running script ...:
--OOM ...``; the inner reply's code is what counts.
+An error reply's first word is its code (``NOGROUP``, ``OOM``, ...). Where
+redis-py has an exception class for the code (``OOM`` ->
+``OutOfMemoryError``, and ``ERR``) it strips the code from the message and
+keeps it as ``status_code`` (redis-py >= 7.2); replies it has no class for
+arrive as a plain ``ResponseError`` whose message still starts with the
+code. Redis 6.2 wraps an error raised inside a script as ``ERR Error
+running script ...: -OOM ...``; the inner reply's code is what counts.
 
 While a Cluster hash slot migrates between primaries, a call whose keys the
 source holds only some of is refused (TRYAGAIN), and one it holds none of is
@@ -27,21 +28,18 @@ import re
 from enum import Enum
 
 from redis.exceptions import (
-    AskError,
-    ClusterDownError,
     ClusterError,
-    MasterDownError,
-    MovedError,
-    NoScriptError,
-    OutOfMemoryError,
-    ReadOnlyError,
     RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
-    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# What a call raises when the server gave no answer: connection refused,
+# reset, timed out (LOADING is a ConnectionError subclass in redis-py too).
+# For ``except`` clauses; ``classify`` calls these UNREACHABLE.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class Fault(Enum):
@@ -112,42 +110,29 @@ _CLUSTER_IN_FLUX_TEXTS = ("cannot be connected", "not covered", "could not agree
 
 
 def reply_code(error: ResponseError) -> str:
-    """The error reply's code: its first word (``NOGROUP``, ``OOM``, ...).
-
-    redis-py strips the code from the message when it has a class for it,
-    so the class is mapped back to its code first.
-    """
-    for error_class, code in _CLASS_CODES:
-        if isinstance(error, error_class):
-            return code
+    """The error reply's code: its first word (``NOGROUP``, ``OOM``, ...);
+    for an error inside a script on Redis 6.2, the inner reply's."""
     text = str(error)
     inner = _SCRIPT_INNER_CODE.match(text)
     if inner is not None:
         return inner.group(1)
-    return text.split(" ", 1)[0]
+    code: str | None = getattr(error, "status_code", None)
+    return code or text.split(" ", 1)[0]
 
 
-# Most specific first: MasterDownError is a ClusterDownError.
-_CLASS_CODES: tuple[tuple[type[ResponseError], str], ...] = (
-    (OutOfMemoryError, "OOM"),
-    (ReadOnlyError, "READONLY"),
-    (TryAgainError, "TRYAGAIN"),
-    (MovedError, "MOVED"),  # an AskError
-    (AskError, "ASK"),
-    (MasterDownError, "MASTERDOWN"),
-    (ClusterDownError, "CLUSTERDOWN"),
-    (NoScriptError, "NOSCRIPT"),
-)
+def _message(error: ResponseError) -> str:
+    """The reply's text after its code, lower case."""
+    text = str(error)
+    if getattr(error, "status_code", None) is None:
+        text = text.split(" ", 1)[-1]
+    return text.lower()
 
 
 def classify(error: BaseException) -> Fault:
     """What ``error`` means: an outage, a missing group, or a usage error."""
     # asyncio.TimeoutError: a reply that never came within our own bound
     # (an OSError itself from Python 3.11 on).
-    if isinstance(
-        error,
-        RedisConnectionError | RedisTimeoutError | OSError | asyncio.TimeoutError,
-    ):
+    if isinstance(error, (*UNREACHABLE, asyncio.TimeoutError)):
         return Fault.UNREACHABLE
     if isinstance(error, ResponseError):
         code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
@@ -214,12 +199,21 @@ def group_exists(error: ResponseError) -> bool:
 
 def stream_missing(error: ResponseError) -> bool:
     """XGROUP CREATE without MKSTREAM on a stream that does not exist."""
-    return "requires the key to exist" in str(error)
+    return "requires the key to exist" in _message(error)
+
+
+def is_missing_key(error: ResponseError) -> bool:
+    """A command that needs its key (XINFO) found none."""
+    return reply_code(error) == "ERR" and _message(error).startswith("no such key")
 
 
 def is_missing_script(error: ResponseError) -> bool:
     """A script or function the server does not have (restart, flush,
     failover to a node that never had it): load it and call again."""
-    if isinstance(error, NoScriptError):
-        return True
-    return "function not found" in str(error).lower()
+    return reply_code(error) == "NOSCRIPT" or "function not found" in _message(error)
+
+
+def is_permission_denied(error: ResponseError) -> bool:
+    """NOPERM: the ACL does not let this user run the command (or touch
+    the key)."""
+    return reply_code(error) == "NOPERM"

@@ -14,11 +14,13 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.server_errors import is_missing_script, is_permission_denied
 
 _NUMERIC = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 # A script that cannot be loaded anywhere: calling it by SHA answers NOSCRIPT
@@ -28,10 +30,6 @@ PROBE_FUNCTION = "taskiq_atomic_claim_probe_never_loaded"
 
 LUA_CLAIM = "lua claim script"
 NATIVE_CLAIM = "native XREADGROUP CLAIM"
-
-
-class InfoClient(Protocol):
-    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
 
 
 class ScriptingUnavailableError(RuntimeError):
@@ -170,7 +168,7 @@ class ServerInfo:
         )
 
 
-async def probe_scripting(client: InfoClient, functions: bool) -> str:
+async def probe_scripting(client: ScriptClient, functions: bool) -> str:
     """An empty string when scripts run for this connection, else why not.
 
     Calls what a worker's ACL already grants (FCALL on servers with
@@ -184,19 +182,16 @@ async def probe_scripting(client: InfoClient, functions: bool) -> str:
         probe = ("EVALSHA", _PROBE_SHA.hexdigest(), 0)
     try:
         await client.execute_command(*probe)
-    except NoScriptError:
-        return ""
-    except NoPermissionError as error:
-        return f"{probe[0]} refused for this user ({error})"
     except ResponseError as error:
-        message = str(error)
-        if "function not found" in message.lower():
+        if is_missing_script(error):
             return ""
-        return f"{probe[0]} failed ({message.strip()})"
+        if is_permission_denied(error):
+            return f"{probe[0]} refused for this user ({error})"
+        return f"{probe[0]} failed ({str(error).strip()})"
     return ""
 
 
-async def read_server_info(client: InfoClient, *, probe: bool = False) -> ServerInfo:
+async def read_server_info(client: ScriptClient, *, probe: bool = False) -> ServerInfo:
     """``INFO server`` once; with ``probe``, also whether scripts run."""
     info = ServerInfo.from_info(await client.execute_command("INFO", "server"))
     if not probe:

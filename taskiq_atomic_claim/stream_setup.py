@@ -19,8 +19,7 @@ from taskiq_atomic_claim.group_recovery import (
     recreate_group,
 )
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_calls import UNREACHABLE
-from taskiq_atomic_claim.server_errors import stream_missing
+from taskiq_atomic_claim.server_errors import UNREACHABLE, stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 

@@ -14,10 +14,11 @@ heartbeats never do.
 
 from __future__ import annotations
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import UNKNOWN_TASK_DELIVERIES
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import DECLINE
-from taskiq_atomic_claim.scripts import ScriptClient, ScriptRunner
+from taskiq_atomic_claim.operations import decline_call
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 
 
@@ -31,15 +32,14 @@ async def call_decline(
 ) -> int:
     """Hand the entry back unless delivered ``UNKNOWN_TASK_DELIVERIES``
     times; its delivery count, or -1 if the consumer no longer owns it."""
-    return await scripts.call(
+    return await scripts.run(
         client,
-        DECLINE,
-        [keys.stream],
-        [
-            keys.group,
-            consumer,
-            settings.idle_timeout,
-            UNKNOWN_TASK_DELIVERIES,
-            entry_id,
-        ],
+        decline_call(
+            stream=keys.stream,
+            group=keys.group,
+            consumer=consumer,
+            idle_ms=settings.idle_timeout,
+            bound=UNKNOWN_TASK_DELIVERIES,
+            entry_id=entry_id,
+        ),
     )

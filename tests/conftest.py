@@ -42,12 +42,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from taskiq_atomic_claim.admin.acl import worker_acl_rule, worker_key_patterns
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.harness.embedded_server import (
     BUILD_CACHE,
     LocalServer,
     find_binaries,
 )
-from taskiq_atomic_claim.scripts import ScriptClient
 from taskiq_atomic_claim.server_info import ServerInfo
 
 _BINARIES = {binary.label: binary for binary in find_binaries()}

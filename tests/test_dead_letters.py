@@ -28,7 +28,7 @@ from taskiq_atomic_claim.dead_letter_policy import (
 from taskiq_atomic_claim.dead_letter_results import DeadLettered
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import START
+from taskiq_atomic_claim.operations import start_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -51,7 +51,9 @@ def settings(max_deliveries: int | None) -> ClaimSettings:
 
 async def record_start(runner: ScriptRunner, redis: Redis, entry_id: str) -> None:
     """What a worker's StartRecorder does just before the task runs."""
-    await runner.call(redis, START, [KEYS.started], [60_000, entry_id])
+    await runner.run(
+        redis, start_call(started=KEYS.started, ttl_ms=60_000, entry_ids=[entry_id])
+    )
 
 
 async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
@@ -247,7 +249,9 @@ async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
     await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
     poison = text(await redis.xadd("taskiq", {"data": call("app:crash", "crash-1")}))
     await redis.xreadgroup("taskiq", "victim", {"taskiq": ">"})
-    await ScriptRunner().call(redis, START, [keys.started], [60_000, poison])
+    await ScriptRunner().run(
+        redis, start_call(started=keys.started, ttl_ms=60_000, entry_ids=[poison])
+    )
     claimer = AtomicRedisStreamBroker(
         server.url,
         consumer_name="claimer",

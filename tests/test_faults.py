@@ -28,7 +28,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.group_recovery import GroupCreationError
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
+from taskiq_atomic_claim.operations import requeue_dead_letters_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server, server_command, with_user
@@ -258,8 +258,13 @@ async def test_out_of_memory_requeueing_dead_letters_is_refused(redis: Redis) ->
     dead = text(await redis.xadd(keys.dead_letters, {"data": b"x"}))
     async with out_of_memory(redis):
         with pytest.raises(ResponseError, match="maxmemory"):
-            await ScriptRunner().call(
-                redis, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], [dead]
+            await ScriptRunner().run(
+                redis,
+                requeue_dead_letters_call(
+                    dead_letters=keys.dead_letters,
+                    stream=keys.stream,
+                    dead_letter_ids=[dead],
+                ),
             )
     assert await redis.xlen(keys.dead_letters) == 1
 

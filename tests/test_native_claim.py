@@ -15,7 +15,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.dead_letters import list_dead_letters
 from taskiq_atomic_claim.dead_letter_policy import MAX_DELIVERIES_EXCEEDED
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
-from taskiq_atomic_claim.operations import DROP_TRIMMED
+from taskiq_atomic_claim.operations import OperationCall, drop_trimmed_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import (
@@ -172,20 +172,27 @@ async def test_the_sweep_drops_only_idle_pending_entries_whose_data_is_gone(
     await redis.hset(KEYS.started, mapping=dict.fromkeys(ids, 1))
     await redis.pexpire(KEYS.started, 60_000)
     await redis.xdel(KEYS.stream, ids[0], ids[3])
-    runner, keys = ScriptRunner(), [KEYS.stream, KEYS.started]
+    runner = ScriptRunner()
+
+    def sweep(min_idle_ms: int, count: int, start: str) -> OperationCall[list[Any]]:
+        return drop_trimmed_call(
+            stream=KEYS.stream,
+            started=KEYS.started,
+            group=KEYS.group,
+            min_idle_ms=min_idle_ms,
+            count=count,
+            start=start,
+            consumer="sweeper",
+        )
 
     # Not idle long enough: a live worker may hold them.
-    reply = await runner.call(
-        redis, DROP_TRIMMED, keys, [KEYS.group, 60_000, 10, "-", "sweeper"]
-    )
+    reply = await runner.run(redis, sweep(60_000, 10, "-"))
     assert [text(reply[0]), reply[1]] == ["-", []]
     assert (await redis.xpending(KEYS.stream, KEYS.group))["pending"] == 5
 
     starts, dropped = ["-"], []
     for _ in range(5):
-        next_start, page = await runner.call(
-            redis, DROP_TRIMMED, keys, [KEYS.group, 0, 2, starts[-1], "sweeper"]
-        )
+        next_start, page = await runner.run(redis, sweep(0, 2, starts[-1]))
         dropped += [text(entry_id) for entry_id in page]
         starts.append(text(next_start))
         if starts[-1] == "-":

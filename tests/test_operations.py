@@ -1,8 +1,12 @@
-"""Each Lua operation is declared once, with its keys, and checked on every call."""
+"""Each Lua operation is declared once, with its keys and ARGV, and called
+through one typed function whose KEYS and ARGV match its Lua header."""
 
 from __future__ import annotations
 
+import inspect
 import re
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +16,13 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim import operations
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import (
+    DECLINE,
     OPERATIONS,
     SET_IDLE,
+    ClaimKeys,
     Operation,
+    OperationCall,
+    set_idle_call,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import (
@@ -24,6 +32,7 @@ from taskiq_atomic_claim.scripts import (
     ScriptLibrary,
     ScriptRunner,
     check_declarations,
+    declared_argv,
     declared_key_count,
 )
 
@@ -79,15 +88,134 @@ async def test_a_wrong_key_count_is_refused_before_any_round_trip(
     await redis.config_resetstat()
     runner = ScriptRunner()
     with pytest.raises(TypeError, match=r"'set_idle' takes 1 keys \(stream\), got 2"):
-        await runner.call(
-            redis, SET_IDLE, [keys.stream, keys.started], [keys.group, "c", 0, "1-0"]
-        )
+        OperationCall(SET_IDLE, (keys.stream, keys.started), (keys.group, "c", 0))
     # Nothing was sent: not even INFO to learn how to call it.
     sent = await redis.info("commandstats")
     assert [name for name in sent if "config" not in name] == []
-    # The right count goes through.
-    reply = await runner.call(redis, SET_IDLE, [keys.stream], [keys.group, "c", 0])
-    assert reply == []
+    # Its function builds the right count, and it goes through.
+    call = set_idle_call(
+        stream=keys.stream, group=keys.group, consumer="c", idle_ms=0, entry_ids=[]
+    )
+    assert await runner.run(redis, call) == []
+
+
+def _sentinels(function: Callable[..., Any]) -> dict[str, Any]:
+    """A value for each parameter, told apart from every other one."""
+    hints = typing.get_type_hints(function)
+    values: dict[str, Any] = {}
+    for n, name in enumerate(inspect.signature(function).parameters):
+        hint = hints[name]
+        if hint is str:
+            values[name] = f"<{name}>"
+        elif hint is bool:
+            values[name] = True
+        elif hint in (int, int | None):
+            values[name] = 1000 + n
+        elif typing.get_origin(hint) is Sequence:
+            (item,) = typing.get_args(hint)
+            if item is str:
+                values[name] = (f"<{name}0>", f"<{name}1>")
+            elif item is int:
+                values[name] = (2000 + 2 * n, 2001 + 2 * n)
+            else:
+                assert item is ClaimKeys, hint
+                values[name] = tuple(
+                    ClaimKeys(*(f"<{role}{i}>" for role in ClaimKeys._fields))
+                    for i in range(2)
+                )
+        else:
+            raise AssertionError(f"{function.__name__}({name}: {hint}): no sentinel")
+    return values
+
+
+def argv_mismatch(function: Callable[..., Any], operation: Operation[Any]) -> str:
+    """What ``function`` sends that its Lua header does not declare (""
+    when nothing): its KEYS in the declared roles' order, and each ARGV
+    where the header names it (``entry id`` is ``entry_id``)."""
+    declared = declared_argv(LIBRARY.scripts[operation.name].source)
+    values = _sentinels(function)
+    optional = [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.default is None
+    ]
+    for omitted in ([], *([name] for name in optional)):
+        kwargs = {k: v for k, v in values.items() if k not in omitted}
+        call = function(**kwargs)
+        if call.operation is not operation:
+            return f"builds a call of {call.operation.name!r}"
+        if operation.repeated:
+            keys = tuple(key for group in kwargs["keys"] for key in group)
+        else:
+            keys = tuple(kwargs[role] for role in operation.keys)
+        if call.keys != keys:
+            return f"KEYS {call.keys} where its roles are {operation.keys}"
+        expected: list[tuple[type, Any]] = []
+        for declaration in declared:
+            name = declaration.name.replace(" ", "_")
+            if name in omitted:
+                continue
+            if name not in kwargs:
+                return f"takes no {name!r} for ARGV[{declaration.position}]"
+            value = kwargs[name]
+            if declaration.rest:
+                expected += [(type(item), item) for item in value]
+            elif value is True:
+                expected.append((int, 1))  # a flag: "1"
+            else:
+                expected.append((type(value), value))
+        sent = [(type(arg), arg) for arg in call.args]
+        if sent != expected:
+            return f"ARGV {call.args}, declared {[v for _, v in expected]}"
+        unsent = set(kwargs) - set(operation.keys) - {"keys"}
+        unsent -= {d.name.replace(" ", "_") for d in declared}
+        if unsent:
+            return f"takes {sorted(unsent)}, which the header does not declare"
+    return ""
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda op: op.name)
+def test_each_operation_function_sends_the_argv_its_lua_header_declares(
+    operation: Operation[Any],
+) -> None:
+    function = getattr(operations, f"{operation.name}_call")
+    assert argv_mismatch(function, operation) == ""
+
+
+def test_a_function_that_swaps_two_arguments_is_caught() -> None:
+    def swapped(
+        *,
+        stream: str,
+        group: str,
+        consumer: str,
+        idle_ms: int,
+        bound: int,
+        entry_id: str,
+    ) -> OperationCall[int]:
+        return OperationCall(
+            DECLINE, (stream,), (group, consumer, bound, idle_ms, entry_id)
+        )
+
+    assert "ARGV" in argv_mismatch(swapped, DECLINE)
+
+    def misnamed(
+        *, stream: str, group: str, consumer: str, idle: int, bound: int, entry_id: str
+    ) -> OperationCall[int]:
+        return OperationCall(
+            DECLINE, (stream,), (group, consumer, idle, bound, entry_id)
+        )
+
+    assert "takes no 'idle_ms'" in argv_mismatch(misnamed, DECLINE)
+
+
+def test_a_header_must_number_its_argv_in_order() -> None:
+    assert [d.name for d in declared_argv("--[[\n  ARGV[1]  entry id\n]]")] == [
+        "entry id"
+    ]
+    with pytest.raises(ValueError, match=r"ARGV\[1\]\.\.ARGV\[n\]"):
+        declared_argv("--[[\n  ARGV[2]  b\n]]\n")
+    with pytest.raises(ValueError, match="only the last"):
+        declared_argv("--[[\n  ARGV[1..]  ids\n  ARGV[2]  b\n]]\n")
 
 
 def test_operations_are_typed_by_their_reply() -> None:

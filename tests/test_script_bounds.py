@@ -11,7 +11,11 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import DROP_TRIMMED, HAND_BACK, SET_IDLE
+from taskiq_atomic_claim.operations import (
+    drop_trimmed_call,
+    hand_back_call,
+    set_idle_call,
+)
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import MAX_BATCH_SIZE, ClaimSettings
@@ -70,17 +74,30 @@ async def test_a_claim_at_the_largest_batch_takes_every_entry(redis: Redis) -> N
 async def test_set_idle_and_hand_back_take_any_number_of_ids(redis: Redis) -> None:
     ids = await pending_at(redis, "me", MANY)
     runner = ScriptRunner()
-    lost = await runner.call(
-        redis, SET_IDLE, [KEYS.stream], [KEYS.group, "me", 0, *ids]
+    lost = await runner.run(
+        redis,
+        set_idle_call(
+            stream=KEYS.stream,
+            group=KEYS.group,
+            consumer="me",
+            idle_ms=0,
+            entry_ids=ids,
+        ),
     )
     assert lost == []
     await redis.hset(KEYS.started, mapping=dict.fromkeys(ids, 1))
     await redis.pexpire(KEYS.started, 60_000)
-    lost = await runner.call(
+    lost = await runner.run(
         redis,
-        HAND_BACK,
-        [KEYS.stream, KEYS.started],
-        [KEYS.group, "me", 60_000, len(ids), *ids],
+        hand_back_call(
+            stream=KEYS.stream,
+            started=KEYS.started,
+            group=KEYS.group,
+            consumer="me",
+            idle_ms=60_000,
+            n_started=len(ids),
+            entry_ids=ids,
+        ),
     )
     assert lost == []
     assert await redis.exists(KEYS.started) == 0
@@ -112,11 +129,17 @@ async def test_the_sweep_at_the_largest_batch_drops_only_entries_gone(
     await redis.config_set("slowlog-max-len", 1000)
     await redis.slowlog_reset()
     try:
-        next_start, dropped = await runner.call(
+        next_start, dropped = await runner.run(
             redis,
-            DROP_TRIMMED,
-            [KEYS.stream, KEYS.started],
-            [KEYS.group, 0, MAX_BATCH_SIZE, "-", "sweeper"],
+            drop_trimmed_call(
+                stream=KEYS.stream,
+                started=KEYS.started,
+                group=KEYS.group,
+                min_idle_ms=0,
+                count=MAX_BATCH_SIZE,
+                start="-",
+                consumer="sweeper",
+            ),
         )
         run = await commands_run(redis)
     finally:

@@ -4,16 +4,18 @@ people to decide. Moving an entry there is the runtime's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from redis.asyncio import Redis
 from taskiq import TaskiqFormatter
 from taskiq.formatters.json_formatter import JSONFormatter
 
 from taskiq_atomic_claim.admin.inspection import MAX_SCAN_CALLS, SCAN_COUNT
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
-from taskiq_atomic_claim.operations import REQUEUE_DEAD_LETTERS
+from taskiq_atomic_claim.operations import requeue_dead_letters_call
 from taskiq_atomic_claim.replies import text as _text
 from taskiq_atomic_claim.scripts import ScriptRunner
 
@@ -76,7 +78,9 @@ def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _parse(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
+def _parse(entry_id: Any, fields: Mapping[Any, Any] | None) -> DeadLetter:
+    # Admin clients read bytes (no decode_responses); an entry has fields.
+    fields = fields or {}
     return DeadLetter(
         id=_text(entry_id),
         original_id=_text(fields.get(b"dead_letter_id", b"")),
@@ -87,16 +91,16 @@ def _parse(entry_id: Any, fields: dict[bytes, bytes]) -> DeadLetter:
 
 
 async def list_dead_letters(
-    client: Any, keys: StreamKeys, count: int = 100, after: str | None = None
+    client: Redis, keys: StreamKeys, count: int = 100, after: str | None = None
 ) -> list[DeadLetter]:
     """The first ``count`` dead letters, or the ``count`` after id ``after``."""
     start = "-" if after is None else "(" + after
     entries = await client.xrange(keys.dead_letters, min=start, count=count)
-    return [_parse(entry_id, fields) for entry_id, fields in entries]
+    return [_parse(entry_id, fields) for entry_id, fields in entries or []]
 
 
 async def find_dead_letter_queues(
-    client: Any, group: str | None = None
+    client: Redis, group: str | None = None
 ) -> tuple[list[StreamKeys], bool]:
     """Every stream and group (only ``group``, if given) with dead letters,
     as their dead-letter streams record them; True when the scan was cut."""
@@ -108,7 +112,7 @@ async def find_dead_letter_queues(
         )
         for key in keys:
             first = await client.xrange(key, count=1)
-            pair = recorded_pair(first[0][1]) if first else None
+            pair = recorded_pair(first[0][1] or {}) if first else None
             if pair is not None and group in (None, pair.group):
                 found.add(pair)
         if int(cursor) == 0:
@@ -117,7 +121,7 @@ async def find_dead_letter_queues(
 
 
 async def dead_letter_ids_of_task(
-    client: Any,
+    client: Redis,
     keys: StreamKeys,
     task_name: str,
     formatter: TaskiqFormatter | None = None,
@@ -126,7 +130,9 @@ async def dead_letter_ids_of_task(
     found: list[str] = []
     start = "-"
     for _ in range(MAX_DEAD_LETTERS_SCANNED // REQUEUE_BATCH):
-        entries = await client.xrange(keys.dead_letters, min=start, count=REQUEUE_BATCH)
+        entries = (
+            await client.xrange(keys.dead_letters, min=start, count=REQUEUE_BATCH) or []
+        )
         for entry_id, fields in entries:
             letter = _parse(entry_id, fields)
             task = letter.task(formatter)
@@ -140,7 +146,7 @@ async def dead_letter_ids_of_task(
 
 async def requeue_dead_letters(
     runner: ScriptRunner,
-    client: Any,
+    client: Redis,
     keys: StreamKeys,
     ids: list[str] | None = None,
 ) -> list[tuple[str, str]]:
@@ -169,24 +175,27 @@ async def requeue_dead_letters(
 
 
 async def _requeue(
-    runner: ScriptRunner, client: Any, keys: StreamKeys, ids: list[str]
+    runner: ScriptRunner, client: Redis, keys: StreamKeys, ids: list[str]
 ) -> list[tuple[str, str]]:
-    reply = await runner.call(
-        client, REQUEUE_DEAD_LETTERS, [keys.dead_letters, keys.stream], list(ids)
+    reply = await runner.run(
+        client,
+        requeue_dead_letters_call(
+            dead_letters=keys.dead_letters, stream=keys.stream, dead_letter_ids=ids
+        ),
     )
     return [(_text(old), _text(new)) for old, new in reply]
 
 
 async def dead_letters_page(
-    client: Any, keys: StreamKeys, before: str | None = None, count: int = 50
+    client: Redis, keys: StreamKeys, before: str | None = None, count: int = 50
 ) -> list[DeadLetter]:
     """Newest first, at most ``count``, older than the id ``before`` (None:
     from the newest): one XREVRANGE, however long the stream."""
     end = "+" if before is None else "(" + before  # exclusive
     entries = await client.xrevrange(keys.dead_letters, max=end, count=count)
-    return [_parse(entry_id, fields) for entry_id, fields in entries]
+    return [_parse(entry_id, fields) for entry_id, fields in entries or []]
 
 
-async def delete_dead_letters(client: Any, keys: StreamKeys, ids: list[str]) -> int:
+async def delete_dead_letters(client: Redis, keys: StreamKeys, ids: list[str]) -> int:
     """Drop these dead letters for good; how many existed."""
     return int(await client.xdel(keys.dead_letters, *ids)) if ids else 0

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim.admin.inspection import (
     MAX_SCAN_CALLS,
     SCAN_COUNT,
@@ -46,7 +48,7 @@ from taskiq_atomic_claim.admin.inspection import (
     plural,
 )
 from taskiq_atomic_claim.durability import durability_risks
-from taskiq_atomic_claim.operations import DELETE_IDLE_CONSUMER
+from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
@@ -111,7 +113,7 @@ class Diagnosis:
         return all(finding.fixed for finding in self.findings)
 
 
-async def find_legacy_locks(client: Any) -> tuple[list[str], bool]:
+async def find_legacy_locks(client: Redis) -> tuple[list[str], bool]:
     """``autoclaim:*`` strings without an expiry; True when the scan was cut."""
     found: list[str] = []
     cursor: Any = 0
@@ -130,7 +132,7 @@ async def find_legacy_locks(client: Any) -> tuple[list[str], bool]:
 
 
 async def diagnose(
-    client: Any,
+    client: Redis,
     streams: list[str] | None = None,
     group: str | None = None,
     thresholds: Thresholds | None = None,
@@ -295,7 +297,7 @@ def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Find
 
 
 async def apply_fixes(
-    client: Any, diagnosis: Diagnosis, thresholds: Thresholds | None = None
+    client: Redis, diagnosis: Diagnosis, thresholds: Thresholds | None = None
 ) -> None:
     """Fix what is fixable, recording each outcome on its finding."""
     limits = thresholds or Thresholds()
@@ -316,14 +318,11 @@ async def apply_fixes(
 
 
 async def _expire_lock(
-    client: Any, key: str, expiry_ms: int, major: int
+    client: Redis, key: str, expiry_ms: int, major: int
 ) -> tuple[bool, str]:
     # NX (Redis >= 7) never shortens an expiry an old worker set meanwhile;
     # on 6.2 the race is harmless: such a lock lives a round trip.
-    args: list[Any] = ["PEXPIRE", key, expiry_ms]
-    if major >= 7:
-        args.append("NX")
-    set_now = await client.execute_command(*args)
+    set_now = await client.pexpire(key, expiry_ms, nx=major >= 7)
     if set_now:
         return True, f"expires in {duration(expiry_ms)}"
     if int(await client.pttl(key)) == -2:
@@ -331,12 +330,14 @@ async def _expire_lock(
     return True, "already has an expiry"
 
 
-async def _delete_consumer(client: Any, finding: Finding) -> tuple[bool, str]:
-    reply = await ScriptRunner().call(
+async def _delete_consumer(client: Redis, finding: Finding) -> tuple[bool, str]:
+    reply = await ScriptRunner().run(
         client,
-        DELETE_IDLE_CONSUMER,
-        [str(finding.stream)],
-        [str(finding.group), str(finding.consumer)],
+        delete_idle_consumer_call(
+            stream=str(finding.stream),
+            group=str(finding.group),
+            consumer=str(finding.consumer),
+        ),
     )
     if int(reply) == -1:
         return False, "it read entries meanwhile; left alone"

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim.gauges import pending_idle_by_consumer
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.replies import text
@@ -110,7 +112,7 @@ def redis_version(info: Any) -> str:
     return str(info.get("redis_version", "unknown")) if isinstance(info, dict) else "?"
 
 
-async def discover_streams(client: Any) -> tuple[list[str], bool]:
+async def discover_streams(client: Redis) -> tuple[list[str], bool]:
     """Stream keys on the server, bounded; True when the bound cut the list."""
     found: set[str] = set()
     cursor: Any = 0
@@ -128,7 +130,7 @@ async def discover_streams(client: Any) -> tuple[list[str], bool]:
     return sorted(found)[:MAX_STREAMS], True
 
 
-async def _key_view(client: Any, key: str) -> KeyView:
+async def _key_view(client: Redis, key: str) -> KeyView:
     value = await client.get(key)
     if value is None:
         return KeyView(key, None, None)
@@ -149,7 +151,7 @@ def _first_consumers(
 
 
 async def _group_view(
-    client: Any,
+    client: Redis,
     stream: str,
     group: str,
     info: dict[str, Any] | None,
@@ -206,7 +208,7 @@ async def _group_view(
 
 
 async def inspect_stream(
-    client: Any, stream: str, group: str | None, consumer_limit: int | None = None
+    client: Redis, stream: str, group: str | None, consumer_limit: int | None = None
 ) -> StreamView:
     kind = text(await client.type(stream))
     infos: dict[str, dict[str, Any]] = {}
@@ -224,7 +226,7 @@ async def inspect_stream(
 
 
 async def inspect_server(
-    client: Any,
+    client: Redis,
     streams: list[str] | None = None,
     group: str | None = None,
     runner: ScriptRunner | None = None,

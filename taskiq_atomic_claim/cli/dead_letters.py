@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim.admin.dead_letters import (
     DeadLetter,
     dead_letter_ids_of_task,
@@ -124,7 +126,7 @@ class _Page:
     more: bool  # others follow this page
 
 
-async def _pages(client: Any, args: argparse.Namespace) -> tuple[list[_Page], bool]:
+async def _pages(client: Redis, args: argparse.Namespace) -> tuple[list[_Page], bool]:
     """A page per queue: the named one, or every one with dead letters
     (True when their discovery was cut)."""
     if args.queue is not None:
@@ -161,7 +163,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
     else:
         targets = await resolve_targets(args)
 
-    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+    async def as_json(client: Redis, target: Target) -> tuple[dict[str, Any], bool]:
         pages, cut = await _pages(client, args)
         queues = [
             dead_letters_queue_json(p.keys, p.total, p.letters, p.more) for p in pages
@@ -169,7 +171,7 @@ async def _dead_letters(args: argparse.Namespace) -> int:
         discovered = args.queue is None
         return dead_letters_to_json(queues, target.where, discovered, cut), True
 
-    async def listing(client: Any, target: Target) -> bool:
+    async def listing(client: Redis, target: Target) -> bool:
         pages, cut = await _pages(client, args)
         heading(target)
         for page in pages:

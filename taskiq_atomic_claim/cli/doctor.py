@@ -8,6 +8,8 @@ import asyncio
 import shlex
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim.admin.doctor import (
     DEFAULT_CONSUMER_IDLE_MS,
     DEFAULT_LOCK_EXPIRY_MS,
@@ -101,13 +103,13 @@ async def _doctor(args: argparse.Namespace) -> int:
     )
     targets = await resolve_targets(args, args.queues)
 
-    async def diagnosed(client: Any, target: Target) -> Diagnosis:
+    async def diagnosed(client: Redis, target: Target) -> Diagnosis:
         diagnosis = await diagnose(client, target.streams, args.group, thresholds)
         if args.fix:
             await apply_fixes(client, diagnosis, thresholds)
         return diagnosis
 
-    async def doctor(client: Any, target: Target) -> bool:
+    async def doctor(client: Redis, target: Target) -> bool:
         diagnosis = await diagnosed(client, target)
         heading(target)
         _report(diagnosis, args.fix, reach(args))
@@ -115,7 +117,7 @@ async def _doctor(args: argparse.Namespace) -> int:
             print()
         return diagnosis.healthy
 
-    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+    async def as_json(client: Redis, target: Target) -> tuple[dict[str, Any], bool]:
         diagnosis = await diagnosed(client, target)
         spelled = diagnosis_to_json(
             diagnosis, target.where, lambda finding: advice(finding, reach(args))

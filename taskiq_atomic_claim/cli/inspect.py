@@ -7,6 +7,8 @@ import argparse
 import asyncio
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim.admin.inspection import (
     Inspection,
     KeyView,
@@ -47,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
 async def _inspect(args: argparse.Namespace) -> int:
     targets = await resolve_targets(args, args.queues)
 
-    async def inspect(client: Any, target: Target) -> bool:
+    async def inspect(client: Redis, target: Target) -> bool:
         inspection = await inspect_server(client, target.streams, args.group)
         heading(target)
         print(render_inspection(inspection) + ("\n" if len(targets) > 1 else ""))
         return True
 
-    async def as_json(client: Any, target: Target) -> tuple[dict[str, Any], bool]:
+    async def as_json(client: Redis, target: Target) -> tuple[dict[str, Any], bool]:
         inspection = await inspect_server(client, target.streams, args.group)
         return inspection_to_json(inspection, node=target.where), True
 

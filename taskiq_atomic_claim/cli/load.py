@@ -8,6 +8,8 @@ import asyncio
 import sys
 from typing import Any
 
+from redis.asyncio import Redis
+
 from taskiq_atomic_claim import __version__
 from taskiq_atomic_claim.cli.arguments import PROG
 from taskiq_atomic_claim.cli.servers import (
@@ -49,7 +51,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 async def _load(args: argparse.Namespace) -> int:
-    async def load(client: Any, target: Target) -> bool:
+    async def load(client: Redis, target: Target) -> bool:
         mode = await ScriptRunner().load(client)
         print(
             f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
@@ -64,7 +66,7 @@ async def _load(args: argparse.Namespace) -> int:
 async def _check(args: argparse.Namespace) -> int:
     targets = await resolve_targets(args)
 
-    async def check(client: Any, target: Target) -> bool:
+    async def check(client: Redis, target: Target) -> bool:
         runner = ScriptRunner()
         server = await runner.probe_server(client)
         status = await runner.status(client)

@@ -23,14 +23,16 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import (
     AuthenticationError,
-    NoPermissionError,
     RedisClusterException,
     RedisError,
+    ResponseError,
 )
 
 from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.server_errors import is_permission_denied
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -195,10 +197,12 @@ def _address(url: str) -> str:
     return urlsplit(url).netloc.rpartition("@")[2]
 
 
-async def _require_redis(client: Any, where: str) -> None:
+async def _require_redis(client: ScriptClient, where: str) -> None:
     try:
         info = await client.execute_command("INFO", "server")
-    except NoPermissionError:
+    except ResponseError as error:
+        if not is_permission_denied(error):
+            raise
         return  # a restricted user: the commands themselves will tell
     except _UNPARSABLE:
         info = None  # a reply no INFO parser could read
@@ -329,7 +333,7 @@ async def _cluster_primaries(
 
 async def on_each_target(
     targets: list[Target],
-    action: Callable[[Any, Target], Awaitable[bool]],
+    action: Callable[[Redis, Target], Awaitable[bool]],
     done: str | None,
     on_error: Callable[[Target, str], None] | None = None,
 ) -> int:
@@ -360,14 +364,14 @@ async def on_each_target(
 async def print_json(
     args: argparse.Namespace,
     targets: list[Target],
-    report: Callable[[Any, Target], Awaitable[tuple[dict[str, Any], bool]]],
+    report: Callable[[Redis, Target], Awaitable[tuple[dict[str, Any], bool]]],
 ) -> int:
     """Print each target's JSON ``report`` (and whether it was fine) in the
     envelope of admin/inspection_json.py: with --cluster one per primary
     under "nodes" (the options decide the shape, not the count of nodes)."""
     reports: list[dict[str, Any]] = []
 
-    async def one(client: Any, target: Target) -> bool:
+    async def one(client: Redis, target: Target) -> bool:
         payload, fine = await report(client, target)
         reports.append(payload)
         return fine

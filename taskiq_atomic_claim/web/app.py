@@ -36,6 +36,7 @@ import time
 from importlib import resources
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -83,7 +84,7 @@ class Reader:
 
     def __init__(
         self,
-        client: Any,
+        client: Redis,
         streams: list[str] | None,
         group: str | None,
         refresh_s: float,
@@ -292,7 +293,7 @@ async def _unreachable(_: Request, error: Exception) -> Response:
 
 
 def create_app(
-    client: Any,
+    client: Redis,
     *,
     streams: list[str] | None = None,
     group: str | None = None,
