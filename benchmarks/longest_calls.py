@@ -45,16 +45,15 @@ from taskiq_atomic_claim.claim import claim_streams
 from taskiq_atomic_claim.in_flight import MIN_STARTED_TTL_MS, SCRIPT_BATCH
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import (
-    ACK,
     DEAD_LETTER,
     DECLINE,
     DROP_TRIMMED,
     HAND_BACK,
     SET_IDLE,
-    START,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.task_records import ack, record_starts
 
 GROUP = "taskiq"
 ALIVE = "alive"
@@ -105,6 +104,18 @@ class Timings:
         if not command.upper().startswith(expected.upper()):
             raise RuntimeError(f"slow log: wanted {expected!r}, got {command[:80]!r}")
         self.us.setdefault(name, []).append(int(entries[0]["duration"]))
+        return reply
+
+    async def commands(self, name: str, expected: list[str], call: Awaitable[_T]) -> _T:
+        """Await ``call``, plain commands (no script), then record the sum
+        of the newest slow-log entries, which must be ``expected`` in order
+        (EXEC is never logged: the commands it ran are)."""
+        reply = await call
+        entries: Any = await self.client.slowlog_get(len(expected))
+        names = [text(entry["command"]).split()[0].upper() for entry in entries]
+        if names[::-1] != expected:
+            raise RuntimeError(f"slow log: wanted {expected}, got {names[::-1]}")
+        self.us.setdefault(name, []).append(sum(int(e["duration"]) for e in entries))
         return reply
 
     async def claim(self, call: Awaitable[_T]) -> _T:
@@ -223,7 +234,11 @@ async def recover(
         )
         ids = [entry.id for entry in outcome.entries]
         if ids:
-            await timings.script(START, [keys.started], [MIN_STARTED_TTL_MS, *ids])
+            await timings.commands(
+                "start",
+                [*(["HINCRBY"] * len(ids)), "PEXPIRE"],
+                record_starts(client, keys.started, MIN_STARTED_TTL_MS, ids),
+            )
         held += ids
         if not outcome.full:
             break
@@ -278,7 +293,11 @@ async def recover(
             raise RuntimeError(f"the reads reclaimed {read} of {len(present)}")
 
     for entry_id in held[2:]:
-        await timings.script(ACK, [keys.stream, keys.started], [GROUP, entry_id, "0"])
+        await timings.commands(
+            "ack",
+            ["XACK", "HDEL"],
+            ack(client, keys.stream, keys.started, GROUP, [entry_id], False),
+        )
     await timings.script(
         DECLINE, [keys.stream], [GROUP, ALIVE, IDLE_TIMEOUT, 1000, held[0]]
     )

@@ -5,9 +5,9 @@ An entry passes through these states in a worker:
 - read (XREADGROUP or a claim): held, heartbeated, not yet handed to taskiq;
 - yielded: handed to taskiq's receiver by ``listen()``;
 - loaded: the receiver's callback parsed its data (the formatter saw it);
-- started: about to run; the start is recorded on the server (``start.lua``)
+- started: about to run; the start is recorded on the server (``task_records``)
   so that a worker dying now counts toward ``max_deliveries``;
-- acked: forgotten here and on the server (``ack.lua``).
+- acked: forgotten here and on the server (``task_records``).
 
 The broker learns "loaded" and "started" from what taskiq does anyway: the
 receiver calls ``broker.formatter.loads(message.data)`` and then every
@@ -34,13 +34,14 @@ from taskiq_atomic_claim.dead_letters import DeadLettering, bounded_reason
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE, START
+from taskiq_atomic_claim.operations import HAND_BACK, SET_IDLE
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import drop_idle_connections
 from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.task_records import record_starts
 from taskiq_atomic_claim.unknown_tasks import (
     call_decline,
     log_handed_back,
@@ -173,9 +174,7 @@ class InFlight:
         the server even if this process dies right after."""
         assert self.pipelined is not None
         keys = StreamKeys(delivery.stream, self.group)
-        call = self.pipelined.submit(
-            START, [keys.started], [self.started_ttl, delivery.entry_id]
-        )
+        call = self.pipelined.start(keys.started, self.started_ttl, delivery.entry_id)
         try:
             await call.written
         except Exception as error:
@@ -223,12 +222,8 @@ class InFlight:
         keys = StreamKeys(stream, self.group)
         for start in range(0, len(waiting), SCRIPT_BATCH):
             chunk = waiting[start : start + SCRIPT_BATCH]
-            await self.scripts.call(
-                client,
-                START,
-                [keys.started],
-                [self.started_ttl, *(d.entry_id for d, _ in chunk)],
-            )
+            ids = [d.entry_id for d, _ in chunk]
+            await record_starts(client, keys.started, self.started_ttl, ids)
             for delivery, waiter in chunk:
                 delivery.started = True
                 if not waiter.done():

@@ -65,8 +65,6 @@ class Operation(Generic[ReplyT]):
             )
 
 
-# XACK's reply: 1 if the entry was pending, else 0. Frees memory.
-ACK: Operation[int] = Operation("ack", ("stream", "started"), allow_oom=True)
 # ["claimed", cursor, entries, trimmed ids, [[dead-lettered id, data], ...]] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
 # Out of memory too: where reads reclaim (Redis >= 8.4) they do anyway, and
@@ -111,14 +109,8 @@ REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
 SET_IDEMPOTENCY: Operation[Any] = Operation("set_idempotency", ("stream",))
 # The ids the caller no longer owns. The heartbeat: keeps memory as it is.
 SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",), allow_oom=True)
-# How many starts were recorded. Out of memory too: one field per running
-# task in an expiring hash, deleted by its ack. Refused, the task runs anyway
-# (in_flight.record_start) with a warning each, and a crash running it out of
-# memory would not count toward max_deliveries.
-START: Operation[int] = Operation("start", ("started",), allow_oom=True)
 
 OPERATIONS: tuple[Operation[Any], ...] = (
-    ACK,
     CLAIM,
     DEAD_LETTER,
     DECLINE,
@@ -128,5 +120,4 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
-    START,
 )

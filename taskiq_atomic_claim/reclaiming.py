@@ -21,6 +21,7 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.abc.result_backend import AsyncResultBackend
 
+from taskiq_atomic_claim import task_records
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
@@ -32,7 +33,6 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.kicking import Kicking
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativeReads, read_entries
-from taskiq_atomic_claim.operations import ACK
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.receiver_hooks import EntryAwareFormatter, StartRecorder
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -234,7 +234,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
 
     def _pipeline_over(self, client: Any) -> None:
         if self.pipelines_calls and self.in_flight.pipelined is None:
-            pipelined = PipelinedCalls(self.scripts, client)
+            pipelined = PipelinedCalls(client)
             if pipelined.available:
                 self.in_flight.pipelined = pipelined
 
@@ -322,11 +322,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         entry taskiq could not parse goes to dead letters instead."""
 
         keys = StreamKeys(stream, self.consumer_group_name)
-        ack_args: list[str | int] = [
-            self.consumer_group_name,
-            entry_id,
-            int(self.claim_settings.delete_acked),
-        ]
+        group, delete_acked = self.consumer_group_name, self.claim_settings.delete_acked
 
         async def ack() -> None:
             delivery = self.in_flight.get(stream, entry_id)
@@ -336,7 +332,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             pipelined = self.in_flight.pipelined
             if plain and pipelined is not None:
                 # Bounded by the pipeline's own reply deadline.
-                await pipelined.call(ACK, [stream, keys.started], ack_args)
+                await pipelined.ack(stream, keys.started, group, entry_id, delete_acked)
                 return
             await within(REPLY_MARGIN_S, awaited_ack(delivery))
 
@@ -350,7 +346,9 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
                         client, delivery, delivery.unparsable
                     )
                     return
-                await self.scripts.call(client, ACK, [stream, keys.started], ack_args)
+                await task_records.ack(
+                    client, stream, keys.started, group, [entry_id], delete_acked
+                )
 
         return ack
 

@@ -33,7 +33,7 @@ from taskiq_atomic_claim.admin.acl import (
 )
 from taskiq_atomic_claim.group_recovery import GroupCreationError
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import ACK
+from taskiq_atomic_claim.operations import SET_IDLE
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
@@ -223,14 +223,12 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
-        await ScriptRunner().call(worker, ACK, [QUEUE, keys.started], [GROUP, "1-0", 0])
+        await ScriptRunner().call(worker, SET_IDLE, [QUEUE], [GROUP, "c", 0])
         await server_command(redis, "SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
             await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
-            await ScriptRunner().call(
-                worker, ACK, [QUEUE, keys.started], [GROUP, "1-0", 0]
-            )
+            await ScriptRunner().call(worker, SET_IDLE, [QUEUE], [GROUP, "c", 0])
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)

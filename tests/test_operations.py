@@ -92,7 +92,7 @@ async def test_a_wrong_key_count_is_refused_before_any_round_trip(
 
 def test_operations_are_typed_by_their_reply() -> None:
     # The declarations are module constants callers import by name.
-    assert operations.ACK.num_keys == 2
+    assert operations.HAND_BACK.num_keys == 2
     assert operations.CLAIM.keys[0] == "stream"
 
 
