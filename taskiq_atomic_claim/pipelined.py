@@ -1,18 +1,20 @@
 """The per-task calls (a task's start, its ack) pipelined on one connection.
 
-Every call made in one turn of the event loop goes out in one write on one
-connection held for this purpose, at the end of that turn: concurrent
-tasks' starts share one transaction per started hash, their acks one XACK
-and one HDEL per stream (``task_records.py`` defines the commands), and
-each call costs a list append, not a pool checkout, a deadline object and
-an awaited reply of its own. A start waits only until its write is in the
-kernel (``written``): from there it reaches the server even if the process
-is killed at once, so no round trip stands between a task's start record
-and the task. An ack waits for its reply.
+One write is in flight at a time on one connection held for this purpose:
+a call made while nothing is owed is written at once; calls made while
+replies are owed wait for them and then go out together, concurrent starts
+as one transaction per started hash, acks as one XACK per stream
+(``task_records.py`` defines the commands). So an idle worker's start
+costs its task no turn of the event loop, and a busy worker's calls share
+writes and the server's work. Acked entries' start counts are deleted in
+bulk (one HDEL per ``FORGET_BATCH`` ids, or ``FORGET_AFTER_S`` after an
+ack): a field left meanwhile sits in an expiring hash and counts nothing.
 
-The write is made from a plain callback straight to the socket: no task
-and no ``wait_for`` per write, so at light load a start costs one turn of
-the loop, not several behind whatever else is ready.
+A start waits only until its write is in the kernel (``written``): from
+there it reaches the server even if the process is killed at once, so no
+round trip stands between a task's start record and the task. An ack waits
+for its reply. Writes go straight to the socket from the caller: no task
+and no ``wait_for`` per write.
 
 Replies come back in order on the same connection and are read by one
 reader task, under one deadline per write (``REPLY_MARGIN_S``): no reply in
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +41,16 @@ from redis.exceptions import ResponseError
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.task_records import (
     Command,
-    ack_commands,
+    ack_command,
     acked_count,
+    forget_command,
     start_commands,
 )
+
+# Acked entries' start counts are deleted together: at this many per
+# started hash, or this long after the first (s).
+FORGET_BATCH = 32
+FORGET_AFTER_S = 1.0
 
 
 class _Call:
@@ -55,19 +65,22 @@ class _Call:
 class _Batch:
     """Calls of one write sent as one set of commands, answered together."""
 
-    __slots__ = ("calls", "commands", "outcome")
+    __slots__ = ("answered", "calls", "commands", "outcome")
 
     def __init__(
         self,
         calls: list[_Call],
         commands: list[Command],
         outcome: Callable[[list[Any]], Any],
+        answered: Callable[[], None] = lambda: None,
     ) -> None:
         self.calls = calls
         self.commands = commands
         # The calls' reply from the commands' replies (an exception among
         # them raised).
         self.outcome = outcome
+        # Called once the outcome is a reply, not an error.
+        self.answered = answered
 
 
 def _transaction_outcome(replies: list[Any]) -> Any:
@@ -82,6 +95,11 @@ def _transaction_outcome(replies: list[Any]) -> Any:
 def _ack_outcome(replies: list[Any]) -> Any:
     _raise_any(replies)
     return acked_count(replies[0])
+
+
+def _forget_outcome(replies: list[Any]) -> Any:
+    # Nobody waits for it: a refusal leaves fields in an expiring hash.
+    del replies
 
 
 def _raise_any(replies: list[Any]) -> None:
@@ -99,7 +117,10 @@ class PipelinedCalls:
         # Starts first in a write (see _batches): by target, then the entry.
         self._starts: dict[tuple[str, int], list[_Call]] = {}
         self._acks: dict[tuple[str, str, str, bool], list[_Call]] = {}
-        self._flush_due = False
+        # Per started hash, entries acked whose counts are not yet deleted.
+        self._acked: dict[str, list[str]] = {}
+        self._forget_due = False
+        self._forget_timer: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._awaiting: collections.deque[_Batch] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
@@ -124,13 +145,12 @@ class PipelinedCalls:
         return reply
 
     def _queue(self, calls: list[_Call], entry_id: str) -> _Call:
-        loop = asyncio.get_running_loop()
-        call = _Call(entry_id, loop)
+        call = _Call(entry_id, asyncio.get_running_loop())
         calls.append(call)
-        if not self._flush_due:
-            self._flush_due = True
-            # After every callback of this turn: they join the same write.
-            loop.call_soon(self._flush)
+        if not self._awaiting:
+            # Nothing owed: written now, so a start costs its task no turn
+            # of the loop. Else it waits for the replies owed (see _read).
+            self._flush()
         return call
 
     def _batches(self) -> list[_Batch]:
@@ -143,13 +163,34 @@ class PipelinedCalls:
             batches.append(_Batch(calls, commands, _transaction_outcome))
         for (stream, started, group, delete_acked), calls in self._acks.items():
             ids = [call.entry_id for call in calls]
-            commands = ack_commands(stream, started, group, ids, delete_acked)
-            batches.append(_Batch(calls, commands, _ack_outcome))
+            command = ack_command(stream, group, ids, delete_acked)
+            answered = functools.partial(self._forget_later, started, ids)
+            batches.append(_Batch(calls, [command], _ack_outcome, answered))
         self._starts, self._acks = {}, {}
+        # Acked counts go in bulk, each HDEL costing the server about what
+        # one id's did: at FORGET_BATCH ids, or FORGET_AFTER_S after an ack.
+        for started, ids in list(self._acked.items()):
+            if self._forget_due or len(ids) >= FORGET_BATCH:
+                del self._acked[started]
+                command = forget_command(started, ids)
+                batches.append(_Batch([], [command], _forget_outcome))
+        self._forget_due = False
         return batches
 
+    def _forget_later(self, started: str, ids: list[str]) -> None:
+        self._acked.setdefault(started, []).extend(ids)
+        if self._forget_timer is None:
+            loop = asyncio.get_running_loop()
+            self._forget_timer = loop.call_later(FORGET_AFTER_S, self._forget_now)
+
+    def _forget_now(self) -> None:
+        self._forget_timer = None
+        if self._acked:
+            self._forget_due = True
+            if not self._awaiting:
+                self._flush()
+
     def _flush(self) -> None:
-        self._flush_due = False
         if self._connecting is not None and not self._connecting.done():
             return  # the connecting task writes what is queued once ready
         connection = self._connection
@@ -159,6 +200,9 @@ class PipelinedCalls:
         batches = self._batches()
         if batches:
             self._write(connection, batches)
+
+    def _queued(self) -> bool:
+        return bool(self._starts or self._acks or self._forget_due)
 
     async def _connect_and_flush(self) -> None:
         try:
@@ -175,12 +219,10 @@ class PipelinedCalls:
             self._write(connection, batches)
 
     def _write(self, connection: Any, batches: list[_Batch]) -> None:
-        packed = connection.pack_commands(
-            [command for batch in batches for command in batch.commands]
-        )
+        packed = _pack(connection.encoder, batches)
         transport = connection._writer.transport
         try:
-            connection._writer.writelines(packed)
+            connection._writer.write(packed)
         except Exception as error:
             self._lost(batches, error)
             return
@@ -229,6 +271,9 @@ class PipelinedCalls:
         return connection
 
     async def _read(self, connection: Any) -> None:
+        """Read the replies owed; once none is, write what queued meanwhile:
+        one write in flight, so under load calls share writes (a start
+        waits at most one round trip) and idle each goes out at once."""
         while self._awaiting and connection is self._connection:
             try:
                 # One deadline for the replies owed so far.
@@ -240,9 +285,13 @@ class PipelinedCalls:
                 failure = _as_exception(error)
                 while self._awaiting:
                     _fail_batch(self._awaiting.popleft(), failure)
+                if self._queued():
+                    self._flush()  # on a new connection
                 if not isinstance(error, Exception):
                     raise
                 return
+            if not self._awaiting and self._queued():
+                self._flush()
 
     async def _read_replies(self, connection: Any, count: int) -> None:
         for _ in range(count):
@@ -250,7 +299,8 @@ class PipelinedCalls:
             replies = []
             for _ in batch.commands:
                 try:
-                    replies.append(await connection.read_response())
+                    # No deadline per reply: one per batch (_read).
+                    replies.append(await connection.read_response(timeout=math.inf))
                 except ResponseError as error:  # the server's answer
                     replies.append(error)
             self._awaiting.popleft()
@@ -259,12 +309,18 @@ class PipelinedCalls:
             except Exception as error:
                 _fail_batch(batch, error)
                 continue
+            batch.answered()
             for call in batch.calls:
                 if not call.reply.done():
                     call.reply.set_result(outcome)
 
     async def settled(self) -> None:
-        """Every call written so far answered (or failed), bounded."""
+        """Every call written so far answered (or failed), bounded; acked
+        counts forgotten."""
+        if self._acked:
+            self._forget_due = True
+            if not self._awaiting:
+                self._flush()
         owed = [call.reply for batch in self._awaiting for call in batch.calls]
         queued = [*self._starts.values(), *self._acks.values()]
         owed += [call.reply for calls in queued for call in calls]
@@ -281,6 +337,19 @@ class PipelinedCalls:
             # Disconnected before it goes back: what it still owes is unknown.
             await connection.disconnect(nowait=True)
             await pool.release(connection)
+
+
+def _pack(encoder: Any, batches: list[_Batch]) -> bytes:
+    """RESP for the batches' commands: short arguments only (ids, keys,
+    numbers), so one buffer, without redis-py's chunking of large values."""
+    out = []
+    for batch in batches:
+        for command in batch.commands:
+            out.append(b"*%d\r\n" % len(command))
+            for argument in command:
+                data = encoder.encode(argument)
+                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 def _alive(connection: Any) -> bool:

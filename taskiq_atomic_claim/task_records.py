@@ -18,7 +18,8 @@ the server several times the commands it runs (measured in
 - ack: ``XACK <stream> <group> <id>..`` (with delete_acked ``XACKDEL <stream>
   <group> ACKED IDS <n> <id>..``, Redis >= 8.2: the entry is deleted once
   no group still needs it), then ``HDEL <started> <id>..``. Not atomic, and
-  need not be: a field a dying client leaves behind sits in a hash that
+  need not be: a field left behind (a dying client, or the HDEL not yet
+  sent: pipelined, acked ids are forgotten in bulk) sits in a hash that
   expires, and its entry is no longer pending, so it counts nothing. Both
   free memory: allowed out of memory.
 """
@@ -41,6 +42,21 @@ def start_commands(
     ]
 
 
+def ack_command(
+    stream: str, group: str, entry_ids: Sequence[str], delete_acked: bool
+) -> Command:
+    """XACK, or with delete_acked XACKDEL ... ACKED."""
+    if delete_acked:
+        return ("XACKDEL", stream, group, "ACKED", "IDS", len(entry_ids), *entry_ids)
+    return ("XACK", stream, group, *entry_ids)
+
+
+def forget_command(started: str, entry_ids: Sequence[str]) -> Command:
+    """Forget the start counts of acked entries: only once they are acked
+    (a count goes while its entry is still pending only by a hand-back)."""
+    return ("HDEL", started, *entry_ids)
+
+
 def ack_commands(
     stream: str,
     started: str,
@@ -48,21 +64,11 @@ def ack_commands(
     entry_ids: Sequence[str],
     delete_acked: bool,
 ) -> list[Command]:
-    """The ack's commands, in this order: the count goes only once the entry
-    is no longer pending."""
-    if delete_acked:
-        ack: Command = (
-            "XACKDEL",
-            stream,
-            group,
-            "ACKED",
-            "IDS",
-            len(entry_ids),
-            *entry_ids,
-        )
-    else:
-        ack = ("XACK", stream, group, *entry_ids)
-    return [ack, ("HDEL", started, *entry_ids)]
+    """The ack's commands, in this order."""
+    return [
+        ack_command(stream, group, entry_ids, delete_acked),
+        forget_command(started, entry_ids),
+    ]
 
 
 def acked_count(reply: Any) -> int:
