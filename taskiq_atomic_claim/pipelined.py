@@ -6,7 +6,8 @@ replies are owed wait for them and then go out together, concurrent starts
 as one transaction per started hash, acks as one XACK per stream
 (``task_records.py`` defines the commands). So an idle worker's start
 costs its task no turn of the event loop, and a busy worker's calls share
-writes and the server's work. Acked entries' start counts are deleted in
+writes and the server's work. Acks are held up to ``ACK_AFTER_S`` to go
+out ``ACK_BATCH`` at a time, and acked entries' start counts are deleted in
 bulk (one HDEL per ``FORGET_BATCH`` ids, or ``FORGET_AFTER_S`` after an
 ack): a field left meanwhile sits in an expiring hash and counts nothing.
 
@@ -51,6 +52,11 @@ from taskiq_atomic_claim.task_records import (
 # started hash, or this long after the first (s).
 FORGET_BATCH = 32
 FORGET_AFTER_S = 1.0
+# Acks go out together: at this many, or this long after the first (s).
+# Each XACK costs the server about what one id's does; an ack held a few
+# ms holds its task's slot as long, and no task's start waits for it.
+ACK_BATCH = 8
+ACK_AFTER_S = 0.002
 
 
 class _Call:
@@ -121,6 +127,9 @@ class PipelinedCalls:
         self._acked: dict[str, list[str]] = {}
         self._forget_due = False
         self._forget_timer: asyncio.TimerHandle | None = None
+        self._ack_count = 0
+        self._acks_due = False
+        self._ack_timer: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._awaiting: collections.deque[_Batch] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
@@ -131,18 +140,34 @@ class PipelinedCalls:
         return self.pool is not None
 
     def start(self, started: str, ttl_ms: int, entry_id: str) -> _Call:
-        """Queue a start for this turn's write; await ``written`` (or
-        ``reply``) on what it returns."""
+        """Write a start now if nothing is owed, else with the next write;
+        await ``written`` (or ``reply``) on what it returns."""
         return self._queue(self._starts.setdefault((started, ttl_ms), []), entry_id)
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
     ) -> int:
-        """Ack in this turn's write; 1 if the entry was pending, else 0."""
-        target = (stream, started, group, delete_acked)
-        call = self._queue(self._acks.setdefault(target, []), entry_id)
+        """Ack with others (see ``ACK_BATCH``); 1 if the entry was pending,
+        else 0."""
+        loop = asyncio.get_running_loop()
+        call = _Call(entry_id, loop)
+        self._acks.setdefault((stream, started, group, delete_acked), []).append(call)
+        self._ack_count += 1
+        if self._ack_count >= ACK_BATCH:
+            self._acks_due = True
+            if not self._awaiting:
+                self._flush()
+        elif self._ack_timer is None:
+            self._ack_timer = loop.call_later(ACK_AFTER_S, self._acks_now)
         reply: int = await call.reply
         return reply
+
+    def _acks_now(self) -> None:
+        self._ack_timer = None
+        if self._acks:
+            self._acks_due = True
+            if not self._awaiting:
+                self._flush()
 
     def _queue(self, calls: list[_Call], entry_id: str) -> _Call:
         call = _Call(entry_id, asyncio.get_running_loop())
@@ -161,12 +186,17 @@ class PipelinedCalls:
             ids = [call.entry_id for call in calls]
             commands = [("MULTI",), *start_commands(started, ttl_ms, ids), ("EXEC",)]
             batches.append(_Batch(calls, commands, _transaction_outcome))
-        for (stream, started, group, delete_acked), calls in self._acks.items():
-            ids = [call.entry_id for call in calls]
-            command = ack_command(stream, group, ids, delete_acked)
-            answered = functools.partial(self._forget_later, started, ids)
-            batches.append(_Batch(calls, [command], _ack_outcome, answered))
-        self._starts, self._acks = {}, {}
+        self._starts = {}
+        if self._acks_due:
+            for (stream, started, group, delete_acked), calls in self._acks.items():
+                ids = [call.entry_id for call in calls]
+                command = ack_command(stream, group, ids, delete_acked)
+                answered = functools.partial(self._forget_later, started, ids)
+                batches.append(_Batch(calls, [command], _ack_outcome, answered))
+            self._acks, self._ack_count, self._acks_due = {}, 0, False
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
         # Acked counts go in bulk, each HDEL costing the server about what
         # one id's did: at FORGET_BATCH ids, or FORGET_AFTER_S after an ack.
         for started, ids in list(self._acked.items()):
@@ -185,10 +215,10 @@ class PipelinedCalls:
 
     def _forget_now(self) -> None:
         self._forget_timer = None
-        if self._acked:
-            self._forget_due = True
-            if not self._awaiting:
-                self._flush()
+        self._acks_due = bool(self._acks)
+        self._forget_due = bool(self._acked)
+        if self._queued() and not self._awaiting:
+            self._flush()
 
     def _flush(self) -> None:
         if self._connecting is not None and not self._connecting.done():
@@ -202,7 +232,7 @@ class PipelinedCalls:
             self._write(connection, batches)
 
     def _queued(self) -> bool:
-        return bool(self._starts or self._acks or self._forget_due)
+        return bool(self._starts or self._acks_due or self._forget_due)
 
     async def _connect_and_flush(self) -> None:
         try:
@@ -317,10 +347,10 @@ class PipelinedCalls:
     async def settled(self) -> None:
         """Every call written so far answered (or failed), bounded; acked
         counts forgotten."""
-        if self._acked:
-            self._forget_due = True
-            if not self._awaiting:
-                self._flush()
+        self._acks_due = bool(self._acks)
+        self._forget_due = bool(self._acked)
+        if self._queued() and not self._awaiting:
+            self._flush()
         owed = [call.reply for batch in self._awaiting for call in batch.calls]
         queued = [*self._starts.values(), *self._acks.values()]
         owed += [call.reply for calls in queued for call in calls]

@@ -14,6 +14,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.pipelined import FORGET_AFTER_S
 from taskiq_atomic_claim.receiver_hooks import StartRecorder
 from tests.conftest import Server
+from tests.receiver import start_as_the_receiver_does
 from tests.test_broker import message
 from tests.test_reliability import started
 
@@ -70,6 +71,30 @@ async def test_an_idle_workers_start_costs_its_task_no_turn_of_the_loop(
 
         # Acked counts go in bulk, at the latest FORGET_AFTER_S later.
         assert await until(forgotten, FORGET_AFTER_S + 5)
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
+
+
+async def xack_calls(redis: Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_xack", {}).get("calls", 0))
+
+
+async def test_acks_made_together_go_out_as_one_xack(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server)
+    try:
+        for body in ("a", "b", "c"):
+            await broker.kick(message(body))
+        listener = broker.listen()
+        delivered = [await asyncio.wait_for(listener.__anext__(), 5) for _ in "abc"]
+        for each in delivered:
+            await asyncio.create_task(start_as_the_receiver_does(broker, each))
+        before = await xack_calls(redis)
+        await asyncio.gather(*(maybe_awaitable(each.ack()) for each in delivered))
+        assert await xack_calls(redis) - before == 1
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
