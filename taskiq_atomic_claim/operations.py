@@ -13,6 +13,9 @@ must go on, or acks give up and finished tasks run again. So every operation
 of a worker is ``allow_oom``: each frees memory, keeps it as it is, or grows
 it by a bound set by the tasks in flight, not by traffic (see each one). The
 operator's moves of dead letters back onto streams are refused like kicks.
+A task's start and ack are plain commands, not operations here
+(``task_records.py``): out of memory the ack runs, the start's transaction
+is refused and its task runs uncounted.
 
 Replies are typed as redis-py returns them: ids are ``bytes`` or ``str``
 depending on the client's ``decode_responses``, hence ``Any`` inside lists.
