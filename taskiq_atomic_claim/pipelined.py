@@ -215,10 +215,13 @@ class PipelinedCalls:
 
     def _forget_now(self) -> None:
         self._forget_timer = None
-        self._acks_due = bool(self._acks)
-        self._forget_due = bool(self._acked)
-        if self._queued() and not self._awaiting:
-            self._flush()
+        if self._acked:
+            self._forget_due = True
+            connection = self._connection
+            # Never a new connection for this alone (after a shutdown, say):
+            # the next write takes them.
+            if not self._awaiting and connection is not None and _alive(connection):
+                self._flush()
 
     def _flush(self) -> None:
         if self._connecting is not None and not self._connecting.done():
