@@ -46,16 +46,15 @@ from taskiq_atomic_claim.in_flight import MIN_STARTED_TTL_MS, SCRIPT_BATCH
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import (
     OperationCall,
-    ack_call,
     dead_letter_call,
     decline_call,
     drop_trimmed_call,
     hand_back_call,
     set_idle_call,
-    start_call,
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.task_records import ack, record_starts
 
 GROUP = "taskiq"
 ALIVE = "alive"
@@ -106,6 +105,18 @@ class Timings:
         if not command.upper().startswith(expected.upper()):
             raise RuntimeError(f"slow log: wanted {expected!r}, got {command[:80]!r}")
         self.us.setdefault(name, []).append(int(entries[0]["duration"]))
+        return reply
+
+    async def commands(self, name: str, expected: list[str], call: Awaitable[_T]) -> _T:
+        """Await ``call``, plain commands (no script), then record the sum
+        of the newest slow-log entries, which must be ``expected`` in order
+        (EXEC is never logged: the commands it ran are)."""
+        reply = await call
+        entries: Any = await self.client.slowlog_get(len(expected))
+        names = [text(entry["command"]).split()[0].upper() for entry in entries]
+        if names[::-1] != expected:
+            raise RuntimeError(f"slow log: wanted {expected}, got {names[::-1]}")
+        self.us.setdefault(name, []).append(sum(int(e["duration"]) for e in entries))
         return reply
 
     async def claim(self, call: Awaitable[_T]) -> _T:
@@ -227,10 +238,10 @@ async def recover(
         )
         ids = [entry.id for entry in outcome.entries]
         if ids:
-            await timings.script(
-                start_call(
-                    started=keys.started, ttl_ms=MIN_STARTED_TTL_MS, entry_ids=ids
-                )
+            await timings.commands(
+                "start",
+                [*(["HINCRBY"] * len(ids)), "PEXPIRE"],
+                record_starts(client, keys.started, MIN_STARTED_TTL_MS, ids),
             )
         held += ids
         if not outcome.full:
@@ -294,14 +305,10 @@ async def recover(
             raise RuntimeError(f"the reads reclaimed {read} of {len(present)}")
 
     for entry_id in held[2:]:
-        await timings.script(
-            ack_call(
-                stream=keys.stream,
-                started=keys.started,
-                group=GROUP,
-                entry_id=entry_id,
-                delete_acked=False,
-            )
+        await timings.commands(
+            "ack",
+            ["XACK", "HDEL"],
+            ack(client, keys.stream, keys.started, GROUP, [entry_id], False),
         )
     await timings.script(
         decline_call(

@@ -25,10 +25,11 @@ from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import ClaimKeys, ack_call, claim_call
+from taskiq_atomic_claim.operations import ClaimKeys, claim_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.task_records import ack
 
 
 class ClaimedEntry(NamedTuple):
@@ -164,7 +165,7 @@ async def claim_streams(
     claimed = [i for i, outcome in enumerate(outcomes) if outcome.entries]
     fetched = await asyncio.gather(
         *(
-            _fetch_fields(runner, client, streams[i], consumer, settings, outcomes[i])
+            _fetch_fields(client, streams[i], consumer, settings, outcomes[i])
             for i in claimed
         )
     )
@@ -181,7 +182,6 @@ def _entry_pairs(reply: Any) -> list[tuple[Any, Any]]:
 
 
 async def _fetch_fields(
-    runner: ScriptRunner,
     client: ScriptClient,
     keys: StreamKeys,
     consumer: str,
@@ -209,18 +209,11 @@ async def _fetch_fields(
             if entry_id is not None and entry_fields is not None:
                 fields[text(entry_id)] = _fields(entry_fields)
     gone = [entry_id for entry_id in ids if entry_id not in fields]
-    for entry_id in gone:
+    if gone:
         # Rare: only entries trimmed or deleted while pending. 7.x's XCLAIM
         # already took them out of the PEL; the ack forgets their start count.
-        await runner.run(
-            client,
-            ack_call(
-                stream=keys.stream,
-                started=keys.started,
-                group=keys.group,
-                entry_id=entry_id,
-                delete_acked=settings.delete_acked,
-            ),
+        await ack(
+            client, keys.stream, keys.started, keys.group, gone, settings.delete_acked
         )
     return replace(
         outcome,

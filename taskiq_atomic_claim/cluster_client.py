@@ -182,6 +182,10 @@ class SlotRoutedClient:
                 raise call.result from ask
             return call.result
 
+    def pipeline(self, transaction: bool) -> Any:
+        """redis-py's, routed by key (a transaction's keys share one slot)."""
+        return self.cluster.pipeline(transaction=transaction)
+
     async def type(self, name: str) -> Any:
         """TYPE, for the loop's start-up check of the stream keys."""
         return await self.execute_command("TYPE", name)

@@ -61,13 +61,7 @@ from taskiq_atomic_claim.dead_letters import DeadLettering
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.operations import (
-    OperationCall,
-    ack_call,
-    hand_back_call,
-    set_idle_call,
-    start_call,
-)
+from taskiq_atomic_claim.operations import hand_back_call, set_idle_call
 from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -78,6 +72,7 @@ from taskiq_atomic_claim.server_calls import (
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.task_records import ack, record_starts
 from taskiq_atomic_claim.suspects import OneSuspectAtATime
 from taskiq_atomic_claim.unknown_tasks import call_decline
 
@@ -286,13 +281,7 @@ class EntryLifecycle:
         the server even if this process dies right after."""
         assert self.pipelined is not None
         keys = self.keys(delivery.stream)
-        call = self.pipelined.submit(
-            start_call(
-                started=keys.started,
-                ttl_ms=self.started_ttl,
-                entry_ids=(delivery.entry_id,),
-            )
-        )
+        call = self.pipelined.start(keys.started, self.started_ttl, delivery.entry_id)
         try:
             await call.written
         except Exception as error:
@@ -340,14 +329,8 @@ class EntryLifecycle:
         keys = self.keys(stream)
         for start in range(0, len(waiting), SCRIPT_BATCH):
             chunk = waiting[start : start + SCRIPT_BATCH]
-            await self.scripts.run(
-                client,
-                start_call(
-                    started=keys.started,
-                    ttl_ms=self.started_ttl,
-                    entry_ids=[d.entry_id for d, _ in chunk],
-                ),
-            )
+            ids = [d.entry_id for d, _ in chunk]
+            await record_starts(client, keys.started, self.started_ttl, ids)
             for delivery, waiter in chunk:
                 delivery.started = True
                 if not waiter.done():
@@ -406,13 +389,6 @@ class EntryLifecycle:
         entry taskiq could not parse goes to dead letters instead, one whose
         task is unknown here is declined."""
         keys = self.keys(stream)
-        acked = ack_call(
-            stream=stream,
-            started=keys.started,
-            group=self.group,
-            entry_id=entry_id,
-            delete_acked=self.settings.delete_acked,
-        )
         delivery = self._held.get((stream, entry_id))
         plain = delivery is None or (
             delivery.unknown_task is None and delivery.unparsable is None
@@ -420,12 +396,14 @@ class EntryLifecycle:
         pipelined = self.pipelined
         if plain and pipelined is not None:
             # Bounded by the pipeline's own reply deadline.
-            await pipelined.call(acked)
+            await pipelined.ack(
+                stream, keys.started, self.group, entry_id, self.settings.delete_acked
+            )
             return
-        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, acked))
+        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, keys, entry_id))
 
     async def _awaited_ack(
-        self, delivery: Delivery | None, acked: OperationCall[int]
+        self, delivery: Delivery | None, keys: StreamKeys, entry_id: str
     ) -> None:
         async with self.connect() as client:
             if delivery is not None and delivery.unknown_task is not None:
@@ -434,7 +412,14 @@ class EntryLifecycle:
             if delivery is not None and delivery.unparsable is not None:
                 await self.dead_letter(client, delivery, delivery.unparsable)
                 return
-            await self.scripts.run(client, acked)
+            await ack(
+                client,
+                keys.stream,
+                keys.started,
+                self.group,
+                [entry_id],
+                self.settings.delete_acked,
+            )
 
     # Heartbeat and hand-back.
 

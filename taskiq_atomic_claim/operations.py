@@ -17,6 +17,9 @@ must go on, or acks give up and finished tasks run again. So every operation
 of a worker is ``allow_oom``: each frees memory, keeps it as it is, or grows
 it by a bound set by the tasks in flight, not by traffic (see each one). The
 operator's moves of dead letters back onto streams are refused like kicks.
+A task's start and ack are plain commands, not operations here
+(``task_records.py``): out of memory the ack runs, the start's transaction
+is refused and its task runs uncounted.
 
 Replies are typed as redis-py returns them: ids are ``bytes`` or ``str``
 depending on the client's ``decode_responses``, hence ``Any`` inside lists.
@@ -70,8 +73,6 @@ class Operation(Generic[ReplyT]):
             )
 
 
-# XACK's reply: 1 if the entry was pending, else 0. Frees memory.
-ACK: Operation[int] = Operation("ack", ("stream", "started"), allow_oom=True)
 # ["claimed", cursor, entries, trimmed ids, [[dead-lettered id, data], ...]] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
 # Out of memory too: where reads reclaim (Redis >= 8.4) they do anyway, and
@@ -116,14 +117,8 @@ REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
 SET_IDEMPOTENCY: Operation[Any] = Operation("set_idempotency", ("stream",))
 # The ids the caller no longer owns. The heartbeat: keeps memory as it is.
 SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",), allow_oom=True)
-# How many starts were recorded. Out of memory too: one field per running
-# task in an expiring hash, deleted by its ack. Refused, the task runs anyway
-# (in_flight.record_start) with a warning each, and a crash running it out of
-# memory would not count toward max_deliveries.
-START: Operation[int] = Operation("start", ("started",), allow_oom=True)
 
 OPERATIONS: tuple[Operation[Any], ...] = (
-    ACK,
     CLAIM,
     DEAD_LETTER,
     DECLINE,
@@ -133,7 +128,6 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
-    START,
 )
 
 
@@ -173,12 +167,6 @@ def _flag(value: bool) -> int:
     # The scripts test ARGV against "1": an int, never a bool (redis-py
     # refuses bools).
     return 1 if value else 0
-
-
-def ack_call(
-    *, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
-) -> OperationCall[int]:
-    return OperationCall(ACK, (stream, started), (group, entry_id, _flag(delete_acked)))
 
 
 def claim_call(
@@ -303,9 +291,3 @@ def set_idle_call(
     *, stream: str, group: str, consumer: str, idle_ms: int, entry_ids: Sequence[str]
 ) -> OperationCall[list[Any]]:
     return OperationCall(SET_IDLE, (stream,), (group, consumer, idle_ms, *entry_ids))
-
-
-def start_call(
-    *, started: str, ttl_ms: int, entry_ids: Sequence[str]
-) -> OperationCall[int]:
-    return OperationCall(START, (started,), (ttl_ms, *entry_ids))

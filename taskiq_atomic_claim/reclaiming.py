@@ -21,6 +21,7 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.abc.result_backend import AsyncResultBackend
 
+from taskiq_atomic_claim import task_records
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
@@ -222,7 +223,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
 
     def _pipeline_over(self, client: Any) -> None:
         if self.pipelines_calls and self.in_flight.pipelined is None:
-            pipelined = PipelinedCalls(self.scripts, client)
+            pipelined = PipelinedCalls(client)
             if pipelined.available:
                 self.in_flight.pipelined = pipelined
 

@@ -1,7 +1,7 @@
 """Tasks that crashed their workers before run one at a time per worker.
 
 A worker that dies kills every task it runs, and each of them gains a crash
-(``lua/start.lua`` counts starts; an ack or a graceful hand-back takes them
+(``task_records`` counts starts; an ack or a graceful hand-back takes them
 back): a poison task's neighbours gain crashes beside it. A task whose entry
 has ``threshold`` crashes or more (``dead_letter_policy.suspect_threshold``)
 is a suspect, and a worker runs one suspect at a time, so two suspects never

@@ -33,7 +33,7 @@ from taskiq_atomic_claim.admin.acl import (
 )
 from taskiq_atomic_claim.group_recovery import GroupCreationError
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import ack_call
+from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
@@ -223,19 +223,22 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
-        ack = ack_call(
-            stream=QUEUE,
-            started=keys.started,
-            group=GROUP,
-            entry_id="1-0",
-            delete_acked=False,
+        await ScriptRunner().run(
+            worker,
+            set_idle_call(
+                stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
+            ),
         )
-        await ScriptRunner().run(worker, ack)
         await server_command(redis, "SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
             await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
-            await ScriptRunner().run(worker, ack)
+            await ScriptRunner().run(
+            worker,
+            set_idle_call(
+                stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
+            ),
+        )
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)

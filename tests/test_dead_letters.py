@@ -28,10 +28,10 @@ from taskiq_atomic_claim.dead_letter_policy import (
 from taskiq_atomic_claim.dead_letter_results import DeadLettered
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.operations import start_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.task_records import record_starts
 from tests.conftest import Server
 from tests.test_cli import cli, cli_in_process
 
@@ -51,9 +51,7 @@ def settings(max_deliveries: int | None) -> ClaimSettings:
 
 async def record_start(runner: ScriptRunner, redis: Redis, entry_id: str) -> None:
     """What a worker's StartRecorder does just before the task runs."""
-    await runner.run(
-        redis, start_call(started=KEYS.started, ttl_ms=60_000, entry_ids=[entry_id])
-    )
+    await record_starts(redis, KEYS.started, 60_000, [entry_id])
 
 
 async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
@@ -249,9 +247,7 @@ async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(
     await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
     poison = text(await redis.xadd("taskiq", {"data": call("app:crash", "crash-1")}))
     await redis.xreadgroup("taskiq", "victim", {"taskiq": ">"})
-    await ScriptRunner().run(
-        redis, start_call(started=keys.started, ttl_ms=60_000, entry_ids=[poison])
-    )
+    await record_starts(redis, keys.started, 60_000, [poison])
     claimer = AtomicRedisStreamBroker(
         server.url,
         consumer_name="claimer",

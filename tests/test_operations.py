@@ -220,7 +220,7 @@ def test_a_header_must_number_its_argv_in_order() -> None:
 
 def test_operations_are_typed_by_their_reply() -> None:
     # The declarations are module constants callers import by name.
-    assert operations.ACK.num_keys == 2
+    assert operations.HAND_BACK.num_keys == 2
     assert operations.CLAIM.keys[0] == "stream"
 
 

@@ -10,7 +10,7 @@ from taskiq_atomic_claim.server_info import ServerInfo
 
 WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xreadgroup", "read new entries"),
-    ("xack", "acknowledge (inside ack)"),
+    ("xack", "acknowledge"),
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
@@ -28,9 +28,11 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("del", "inside claim: finished cursor"),
     ("pttl", "inside claim: lease lifetime"),
     ("pexpire", "inside claim: bound a lease written without expiry; start"),
-    ("hincrby", "inside start, hand_back: count a task's starts"),
+    ("hincrby", "start; inside hand_back: count a task's starts"),
     ("hmget", "inside claim: start counts of the claimed entries"),
-    ("hdel", "inside ack, claim, hand_back, dead_letter: forget a start count"),
+    ("hdel", "ack; inside claim, hand_back, dead_letter: forget a start count"),
+    ("multi", "start: its count and the hash's expiry in one transaction"),
+    ("exec", "start: its count and the hash's expiry in one transaction"),
     (
         "xgroup|delconsumer",
         "inside delete_idle_consumer: a worker exiting owning nothing pending",
@@ -45,7 +47,7 @@ RESULT_BACKEND_COMMANDS = (
 # Only lua/claim.lua issues these (XAUTOCLAIM; the lease and cursor keys).
 CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
 # delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
-DELETE_ACKED_COMMANDS = (("xackdel", "inside ack, claim, dead_letter"),)
+DELETE_ACKED_COMMANDS = (("xackdel", "ack; inside claim, dead_letter"),)
 # Redis >= 8.6: kicks set how long the stream remembers task ids (IDMP).
 IDEMPOTENCY_COMMANDS = (
     ("xcfgset", "inside set_idempotency: the stream's IDMP retention"),
@@ -82,7 +84,7 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hmget +hdel +xgroup|delconsumer
+    +hincrby +hmget +hdel +xgroup|delconsumer +multi +exec
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;

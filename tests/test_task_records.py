@@ -1,0 +1,100 @@
+"""A task's start and ack as a worker sends them on a standalone server
+(pipelined): what reaches the server, and when."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from redis.asyncio import Redis
+from taskiq import TaskiqMessage
+from taskiq.utils import maybe_awaitable
+
+from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.pipelined import FORGET_AFTER_S
+from taskiq_atomic_claim.receiver_hooks import StartRecorder
+from tests.conftest import Server
+from tests.receiver import start_as_the_receiver_does
+from tests.test_broker import message
+from tests.test_reliability import started
+
+KEYS = StreamKeys("taskiq", "taskiq")
+PARSED = TaskiqMessage(task_id="t", task_name="t", labels={}, args=[], kwargs={})
+
+
+async def until(check: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await check():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_an_idle_workers_start_costs_its_task_no_turn_of_the_loop(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server)
+    try:
+        for body in ("first", "second"):
+            await broker.kick(message(body))
+        listener = broker.listen()
+
+        async def start(delivered: object) -> list[str]:
+            """As the receiver's callback does, with another callback
+            ready to run beside it."""
+            broker.in_flight.loaded(delivered.data)  # type: ignore[attr-defined]
+            recorder = next(
+                m for m in broker.middlewares if isinstance(m, StartRecorder)
+            )
+            ran: list[str] = []
+            asyncio.get_running_loop().call_soon(ran.append, "another callback")
+            await recorder.pre_execute(PARSED)
+            return list(ran)  # what ran before the task could run
+
+        first = await asyncio.wait_for(listener.__anext__(), 5)
+        await asyncio.create_task(start(first))
+        await maybe_awaitable(first.ack())  # the pipeline is idle again
+        second = await asyncio.wait_for(listener.__anext__(), 5)
+        assert await asyncio.create_task(start(second)) == []
+        entry_id = second.data.entry_id  # type: ignore[attr-defined]
+
+        async def counted() -> bool:
+            return await redis.hget(KEYS.started, entry_id) == b"1"
+
+        assert await until(counted, 5)
+        assert await redis.pttl(KEYS.started) > 0
+        await maybe_awaitable(second.ack())
+
+        async def forgotten() -> bool:
+            return not await redis.exists(KEYS.started)
+
+        # Acked counts go in bulk, at the latest FORGET_AFTER_S later.
+        assert await until(forgotten, FORGET_AFTER_S + 5)
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
+
+
+async def xack_calls(redis: Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_xack", {}).get("calls", 0))
+
+
+async def test_acks_made_together_go_out_as_one_xack(
+    server: Server, redis: Redis
+) -> None:
+    broker = await started(server)
+    try:
+        for body in ("a", "b", "c"):
+            await broker.kick(message(body))
+        listener = broker.listen()
+        delivered = [await asyncio.wait_for(listener.__anext__(), 5) for _ in "abc"]
+        for each in delivered:
+            await asyncio.create_task(start_as_the_receiver_does(broker, each))
+        before = await xack_calls(redis)
+        await asyncio.gather(*(maybe_awaitable(each.ack()) for each in delivered))
+        assert await xack_calls(redis) - before == 1
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
