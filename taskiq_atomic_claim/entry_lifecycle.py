@@ -72,8 +72,8 @@ from taskiq_atomic_claim.server_calls import (
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
-from taskiq_atomic_claim.task_records import ack, record_starts
 from taskiq_atomic_claim.suspects import OneSuspectAtATime
+from taskiq_atomic_claim.task_records import ack, record_starts
 from taskiq_atomic_claim.unknown_tasks import call_decline
 
 logger = logging.getLogger("taskiq.atomic_claim")

@@ -21,7 +21,6 @@ from taskiq import AckableMessage, TaskiqMiddleware
 from taskiq.abc.formatter import TaskiqFormatter
 from taskiq.abc.result_backend import AsyncResultBackend
 
-from taskiq_atomic_claim import task_records
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.claiming import Claiming
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults

@@ -234,11 +234,11 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
             await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
             await ScriptRunner().run(
-            worker,
-            set_idle_call(
-                stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
-            ),
-        )
+                worker,
+                set_idle_call(
+                    stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
+                ),
+            )
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)
