@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from benchmarks.config import AGED_IDLE_MS, BrokerArguments, Mode
 from benchmarks.stats import p50
 from taskiq_atomic_claim.claim import claim_streams
-from taskiq_atomic_claim.in_flight import MIN_STARTED_TTL_MS, SCRIPT_BATCH
+from taskiq_atomic_claim.entry_lifecycle import MIN_STARTED_TTL_MS, SCRIPT_BATCH
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import (
     OperationCall,

@@ -35,7 +35,7 @@ from redis.exceptions import LockNotOwnedError
 from benchmarks.config import BrokerArguments
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.native_reads import read_entries
+from taskiq_atomic_claim.reads import read_entries
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import read_server_info

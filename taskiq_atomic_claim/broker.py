@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
+from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamBroker
 
-from taskiq_atomic_claim.reclaiming import ReclaimingListener
+from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
     DEFAULT_KICK_PATIENCE_S,
@@ -18,7 +22,7 @@ from taskiq_atomic_claim.settings import (
 )
 
 
-class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
+class AtomicRedisStreamBroker(RedisStreamBroker):
     """A drop-in ``RedisStreamBroker`` whose reclaim runs on its own schedule.
 
     Every ``claim_interval`` ms, whether or not new messages arrive, each
@@ -120,36 +124,53 @@ class AtomicRedisStreamBroker(ReclaimingListener, RedisStreamBroker):
             additional_streams=additional_streams,
             **connection_kwargs,
         )
-        self._client: Redis | None = None
-        self._init_reclaim(claim_settings)
+        self.atomic = AtomicParts(
+            self,
+            claim_settings,
+            StandaloneConnection(self.connection_pool, queue_name),
+            xread_count,
+        )
 
-    # Its pool lives as long as the broker: starts and acks go pipelined.
-    pipelines_calls = True
+    @property
+    def metrics(self) -> ReclaimMetrics:
+        """What this broker counted (``metrics.snapshot()``)."""
+        return self.atomic.metrics
 
-    def _connection(self) -> contextlib.AbstractAsyncContextManager[Redis]:
-        # One client over the parent's pool, made once: building a Redis
-        # object costs about as much as a round trip, and every ack and task
-        # start asks for one. Leaving the context closes nothing (the pool
-        # belongs to the broker; its shutdown disconnects it).
-        if self._client is None:
-            self._client = Redis(connection_pool=self.connection_pool)
-        return contextlib.nullcontext(self._client)
+    async def _declare_consumer_group(self) -> None:
+        await self.atomic.declare_groups()
 
     async def startup(self) -> None:
-        await super().startup()
-        await self.check_stream_types()
-        await self.require_scripting()
-        await self.check_server_features()
-        await self.check_durability()
+        await self.atomic.startup(super().startup)
 
     async def shutdown(self) -> None:
-        """Hand back what no task runs; after the app's shutdown handlers
-        (tasks run on through them), give back the rest and delete this
-        consumer if it owns nothing pending (``finish_shutdown``)."""
-        await self.hand_back()
-        try:
-            await super().shutdown()
-        finally:
-            await self.finish_shutdown()
-            # Its calls reconnect what the parent closed: close it again.
-            await self.connection_pool.disconnect()
+        await self.atomic.shutdown(super().shutdown)
+
+    async def kick(self, message: BrokerMessage) -> None:
+        await self.atomic.kicker.kick(message)
+
+    def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        return self.atomic.listen(self)
+
+
+class StandaloneConnection(Connection):
+    """One server behind the parent's pool, which lives as long as the
+    broker: starts and acks go pipelined."""
+
+    pipelines = True
+
+    def __init__(self, pool: ConnectionPool, queue_name: str) -> None:
+        super().__init__(queue_name)
+        self.pool = pool
+        # One client over the pool, made once: building a Redis object
+        # costs about as much as a round trip, and every ack and task start
+        # asks for one.
+        self.client = Redis(connection_pool=pool)
+
+    def connect(self) -> contextlib.AbstractAsyncContextManager[Redis]:
+        # Leaving the context closes nothing (the pool belongs to the
+        # broker; its shutdown disconnects it).
+        return contextlib.nullcontext(self.client)
+
+    async def close(self) -> None:
+        # Its calls reconnect what the parent closed: close it again.
+        await self.pool.disconnect()

@@ -1,7 +1,7 @@
 """``AtomicRedisStreamClusterBroker``: the atomic reclaim on Redis Cluster.
 
 taskiq-redis's ``RedisStreamClusterBroker`` never reclaims. This broker runs
-the shared listen loop (``ReclaimingListener``) through ``SlotRoutedClient``
+the shared listen loop (``reclaiming.Listener``) through ``SlotRoutedClient``
 (``cluster_client.py``), which routes what redis-py's ``RedisCluster`` does
 not route right: script calls by their keys' slot, XREADGROUP per slot, and
 the server checks on every primary.
@@ -13,26 +13,30 @@ constructor checks that for every stream.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from redis.exceptions import RedisClusterException, ResponseError
+from redis.asyncio import RedisCluster
+from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamClusterBroker
 
-from taskiq_atomic_claim.claim import ClaimOutcome
+from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.cluster_client import (
     OneNodeClient,
     SlotRoutedClient,
     StreamEntries,
-    slot_groups,
 )
-from taskiq_atomic_claim.group_recovery import create_group, first_position
+from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.native_reads import read_entries
-from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
-from taskiq_atomic_claim.server_info import probe_scripting, read_server_info
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_info import (
+    ServerInfo,
+    probe_scripting,
+    read_server_info,
+)
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
     DEFAULT_KICK_PATIENCE_S,
@@ -40,12 +44,9 @@ from taskiq_atomic_claim.settings import (
     check_broker_arguments,
     default_consumer_name,
 )
-from taskiq_atomic_claim.stream_setup import require_stream_type
 
 
-class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
-    ReclaimingListener, RedisStreamClusterBroker
-):
+class AtomicRedisStreamClusterBroker(RedisStreamClusterBroker):
     """A drop-in ``RedisStreamClusterBroker`` that reclaims, as
     ``AtomicRedisStreamBroker`` does on a single server.
 
@@ -157,137 +158,88 @@ class AtomicRedisStreamClusterBroker(  # type: ignore[misc]
             additional_streams=additional_streams,  # type: ignore[arg-type]
             **connection_kwargs,
         )
-        # The parent has no xread_count; the listen loop reads self.count.
-        self.count = xread_count
-        self._init_reclaim(claim_settings)
-        # Streams whose last claim failed to reach their primary.
-        self._unclaimable: set[str] = set()
+        self.atomic = AtomicParts(
+            self,
+            claim_settings,
+            ClusterConnection(self.redis, queue_name),
+            xread_count,
+        )
+
+    @property
+    def metrics(self) -> ReclaimMetrics:
+        """What this broker counted (``metrics.snapshot()``)."""
+        return self.atomic.metrics
+
+    async def _declare_consumer_group(self) -> None:
+        await self.atomic.declare_groups()
+
+    async def startup(self) -> None:
+        await self.atomic.startup(super().startup)
+
+    async def shutdown(self) -> None:
+        await self.atomic.shutdown(super().shutdown)
+
+    async def kick(self, message: BrokerMessage) -> None:
+        await self.atomic.kicker.kick(message)
+
+    def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        return self.atomic.listen(self)
+
+
+class ClusterConnection(Connection):
+    """Every primary of a cluster, through ``SlotRoutedClient``: script
+    calls by their keys' slot, XREADGROUP per slot, server checks on every
+    primary."""
+
+    waits_out_startup = True
+    per_slot = True
+
+    def __init__(self, redis: RedisCluster, queue_name: str) -> None:
+        super().__init__(queue_name)
+        self.redis = redis
 
     @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[SlotRoutedClient]:
+    async def listen_client(
+        self, on_delivered: Callable[[StreamEntries], None] | None = None
+    ) -> AsyncIterator[SlotRoutedClient]:
         # Not ``async with self.redis``: leaving that closes the shared
         # client's connections whenever no other user holds it.
-        client = SlotRoutedClient(self.redis, on_delivered=self._mark_in_flight)
+        client = SlotRoutedClient(self.redis, on_delivered=on_delivered)
         try:
             yield client
         finally:
             await client.close()
 
-    def _claim_groups(self, streams: list[str]) -> list[list[str]]:
-        """One script call per hash slot: its keys must share one."""
-        return [list(group) for group in slot_groups(dict.fromkeys(streams, ">"))]
+    def connect(self) -> contextlib.AbstractAsyncContextManager[SlotRoutedClient]:
+        return self.listen_client()
 
-    async def claim_streams(
-        self, client: Any, streams: list[str]
-    ) -> list[ClaimOutcome]:
-        """A claim cycle for streams of one slot, skipped this cycle (tried
-        again the next) while the slot migrates, or, with several slots,
-        while its primary is unreachable: the reads (and the other slots'
-        claims) go on."""
-        try:
-            outcomes = await super().claim_streams(client, streams)
-        except Exception as error:
-            fault = classify(error)
-            # A migrating slot refuses the claim (its keys are split between
-            # two primaries) but serves reads: never stop them for it.
-            everything = set(streams) == set(self.streams)
-            if not fault.is_outage or (everything and fault is not Fault.MIGRATING):
-                raise
-            for stream in streams:
-                if stream not in self._unclaimable:
-                    self._unclaimable.add(stream)
-                    logger.warning(
-                        "Cannot claim on stream %r (%s), trying again every"
-                        " claim interval: %s",
-                        stream,
-                        fault.value,
-                        error,
-                    )
-            return [ClaimOutcome(skipped=True) for _ in streams]
-        for stream in streams:
-            if stream in self._unclaimable:
-                self._unclaimable.discard(stream)
-                logger.warning("Claiming on stream %r again", stream)
-        return outcomes
-
-    def _mark_in_flight(self, fetched: StreamEntries) -> None:
-        for stream, entry_id, _, _ in read_entries(fetched):
-            self.in_flight.add(stream, [entry_id])
-
-    async def _declare_consumer_group(self) -> None:
+    def setup_client(self) -> contextlib.AbstractAsyncContextManager[RedisCluster]:
         # As the parent, without its ``async with self.redis`` (see
-        # ``_connection``), and a worker started mid-failover does not die
-        # here: the listen loop waits the outage out and recreates a group
-        # it finds missing.
-        for stream in self.streams:
-            try:
-                await require_stream_type(self.redis, stream)
-                await create_group(
-                    self.redis,
-                    stream,
-                    self.consumer_group_name,
-                    await first_position(self.redis, stream, self.consumer_id),
-                    self.mkstream,
-                )
-            except ResponseError as error:  # no stream (mkstream=False), outage
-                logger.debug("Group on %r not created yet: %s", stream, error)
-            except Exception as error:
-                # Unreachable, or the slot migrating ("TTL exhausted").
-                if not (is_outage(error) or isinstance(error, RedisClusterException)):
-                    raise
-                logger.warning(
-                    "Consumer group %r on stream %r not created yet: %s",
-                    self.consumer_group_name,
-                    stream,
-                    error,
-                )
+        # ``listen_client``).
+        return contextlib.nullcontext(self.redis)
 
-    def _servers(self, client: Any) -> list[tuple[str, Any]]:
+    def servers(self, client: Any) -> list[tuple[str, Any]]:
         # Every primary holds some queue: each gets its own settings check.
         return [
             (f"primary {node.host}:{node.port}", OneNodeClient(self.redis, node))
             for node in self.redis.get_primaries()
         ]
 
-    async def require_scripting(self) -> None:
-        """Startup: refuse, naming it, a primary where this user runs no
-        scripts (every ack on its slots would fail), probing each as the
-        broker will call it: FCALL, or EVALSHA when the oldest primary
+    async def require_scripting(
+        self, scripts: ScriptRunner, client: ScriptClient
+    ) -> ServerInfo:
+        """Refuse, naming it, a primary where this user runs no scripts
+        (every ack on its slots would fail), probing each as the broker will
+        call it: FCALL, or EVALSHA when the oldest primary
         (``SlotRoutedClient``'s INFO) is 6.2."""
-        async with self._connection() as client:
-            self.server = await self.scripts.probe_server(client)
-            for where, node in self._servers(client):
-                problem = await probe_scripting(node, self.server.functions)
-                if problem:
-                    found = await read_server_info(node)
-                    replace(found, scripting_problem=problem).require_scripting(where)
+        server = await scripts.probe_server(client)
+        for where, node in self.servers(client):
+            problem = await probe_scripting(node, server.functions)
+            if problem:
+                found = await read_server_info(node)
+                replace(found, scripting_problem=problem).require_scripting(where)
+        return server
 
-    async def startup(self) -> None:
-        """Create the groups and check the stream keys, as the standalone
-        broker does; a cluster that cannot be reached yet is waited out by
-        the listen loop instead of failing the worker's start."""
-        await super().startup()
-        try:
-            await self.check_stream_types()
-            await self.require_scripting()
-        except Exception as error:
-            if not is_outage(error):
-                raise
-            logger.warning(
-                "Stream keys and scripting not checked at start-up: %s", error
-            )
-            return await self.check_durability()
-        await self.check_server_features()
-        await self.check_durability()
-
-    async def shutdown(self) -> None:
-        """Hand back what no task runs; after the app's shutdown handlers
-        (tasks run on through them), give back the rest and delete this
-        consumer if it owns nothing pending (``finish_shutdown``)."""
-        await self.hand_back()
-        try:
-            await super().shutdown()
-        finally:
-            await self.finish_shutdown()
-            # Its calls reconnect what the parent closed: close it again.
-            await self.redis.aclose()
+    async def close(self) -> None:
+        # Its calls reconnect what the parent closed: close it again.
+        await self.redis.aclose()

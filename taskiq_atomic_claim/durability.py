@@ -22,6 +22,7 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.replies import text
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -36,7 +37,7 @@ class DurabilityRisk:
     advice: str
 
 
-async def _info(client: Any, section: str) -> dict[str, Any]:
+async def _info(client: ScriptClient, section: str) -> dict[str, Any]:
     reply = await client.execute_command("INFO", section)
     if isinstance(reply, bytes | str):  # raw text when no callback parsed it
         pairs = (line.split(":", 1) for line in text(reply).splitlines())
@@ -44,7 +45,7 @@ async def _info(client: Any, section: str) -> dict[str, Any]:
     return {text(k): v for k, v in dict(reply).items()}
 
 
-async def _save_points(client: Any) -> str | None:
+async def _save_points(client: ScriptClient) -> str | None:
     """CONFIG GET save; None when the ACL (or a renamed command) forbids it."""
     try:
         reply = await client.execute_command("CONFIG", "GET", "save")
@@ -68,7 +69,7 @@ def may_read_config(client: Any) -> bool:
 
 
 async def durability_risks(
-    client: Any, read_config: bool = True
+    client: ScriptClient, read_config: bool = True
 ) -> list[DurabilityRisk]:
     """What in this server's settings can lose accepted tasks; [] when safe
     or when nothing could be checked (logged at debug). ``read_config``
@@ -110,7 +111,7 @@ async def durability_risks(
     return risks
 
 
-async def warn_about_durability(client: Any, where: str) -> None:
+async def warn_about_durability(client: ScriptClient, where: str) -> None:
     """Log each risk once, at startup; never raises."""
     try:
         risks = await durability_risks(client, may_read_config(client))

@@ -212,7 +212,7 @@ class ServerGauges(TaskiqMiddleware):
         self._problem: str | None = None  # why the last reading failed
 
     def set_broker(self, broker: Any) -> None:
-        if not hasattr(broker, "streams") or not hasattr(broker, "_connection"):
+        if not hasattr(broker, "atomic"):
             raise TypeError(
                 "ServerGauges needs an atomic-claim broker"
                 f" (AtomicRedisStreamBroker and kin), got {type(broker).__name__}"
@@ -222,7 +222,7 @@ class ServerGauges(TaskiqMiddleware):
     @property
     def _pairs(self) -> list[tuple[str, str]]:
         group: str = self.broker.consumer_group_name  # type: ignore[attr-defined]
-        streams: list[str] = self.broker.streams  # type: ignore[attr-defined]
+        streams: list[str] = self.broker.atomic.streams  # type: ignore[attr-defined]
         return [(stream, group) for stream in streams]
 
     async def startup(self) -> None:
@@ -242,7 +242,7 @@ class ServerGauges(TaskiqMiddleware):
 
     async def refresh(self) -> None:
         """Read every (stream, group) once and set the gauges."""
-        connection = self.broker._connection()  # type: ignore[attr-defined]
+        connection = self.broker.atomic.connection.connect()  # type: ignore[attr-defined]
         async with connection as client:
             for stream, group in self._pairs:
                 gauges = await read_group_gauges(client, stream, group)

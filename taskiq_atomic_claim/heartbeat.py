@@ -1,8 +1,7 @@
-"""The in-flight heartbeat and the graceful hand-back, part of every atomic
-broker (``ReclaimingListener`` mixes this in).
+"""The in-flight heartbeat and the graceful hand-back of one consumer.
 
 While a worker lives, the entries it holds are kept from being reclaimed
-(``InFlight.beat``, every third of ``idle_timeout``). Its shutdown makes
+(``EntryLifecycle.beat``, every third of ``idle_timeout``). Its shutdown makes
 claimable at once what no task runs; a task still running is never made
 claimable while this process may run it (see ``finish_shutdown``).
 """
@@ -12,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
 
 from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
+from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.delivery import Delivery
-from taskiq_atomic_claim.in_flight import SCRIPT_BATCH, InFlight
+from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
 from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -31,37 +30,45 @@ from taskiq_atomic_claim.settings import ClaimSettings
 logger = logging.getLogger("taskiq.atomic_claim")
 
 
-class Heartbeating:
+class Heartbeat:
     """The heartbeat task of one consumer, and its hand-back at shutdown."""
 
-    consumer_name: str
-    consumer_group_name: str
-    claim_settings: ClaimSettings
-    in_flight: InFlight
-    scripts: ScriptRunner
-    _heartbeat: asyncio.Task[None] | None
-    # A listen() began: this broker read as a consumer of its group.
-    _listened: bool = False
-    _give_back_failed: bool = False
-    if TYPE_CHECKING:
-
-        @property
-        def streams(self) -> list[str]: ...
-
-        def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    def __init__(
+        self,
+        in_flight: EntryLifecycle,
+        scripts: ScriptRunner,
+        connect: Connect,
+        settings: ClaimSettings,
+        streams: list[str],
+        group: str,
+        consumer: str,
+    ) -> None:
+        self.in_flight = in_flight
+        self.scripts = scripts
+        self.connect = connect
+        self.settings = settings
+        self.streams = streams
+        self.group = group
+        self.consumer = consumer
+        self._task: asyncio.Task[None] | None = None
+        # A listen() began: this broker read as a consumer of its group.
+        self._listened = False
+        self._give_back_failed = False
 
     @property
     def heartbeat_interval(self) -> float:
         """Seconds: three heartbeats fit in one idle_timeout."""
-        return self.claim_settings.idle_timeout / 3000
+        return self.settings.idle_timeout / 3000
 
-    def _start_heartbeat(self) -> None:
-        if self._heartbeat is None or self._heartbeat.done():
-            self._heartbeat = asyncio.create_task(
-                self._heartbeat_loop(), name=f"heartbeat {self.consumer_name}"
+    def start(self) -> None:
+        """A listen() begins: beat from now on (one task however many)."""
+        self._listened = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(
+                self._loop(), name=f"heartbeat {self.consumer}"
             )
 
-    async def _heartbeat_loop(self) -> None:
+    async def _loop(self) -> None:
         # A task of its own, not part of listen(): while every slot is busy
         # the receiver stops pulling from listen(), and that is exactly when
         # long tasks need their heartbeat.
@@ -71,22 +78,20 @@ class Heartbeating:
         # too (logged as such). Retries come faster than beats, so entries
         # unheartbeated through an outage are refreshed soon after it ends.
         beat = self.heartbeat_interval
-        outage = Backoff(
-            f"heartbeat {self.consumer_name}", cap=min(MAX_DELAY_S, beat / 3)
-        )
+        outage = Backoff(f"heartbeat {self.consumer}", cap=min(MAX_DELAY_S, beat / 3))
         delay = beat
         while True:
             await asyncio.sleep(delay)
             raise_if_cancel_was_swallowed()
             try:
-                async with self._connection() as client:
+                async with self.connect() as client:
                     await within(
                         REPLY_MARGIN_S * self._beat_calls, self.in_flight.beat(client)
                     )
             except Exception as error:
                 # A busy receiver parks the listen loop: then the heartbeat
                 # may be first to find the server gone.
-                await drop_idle_connections(self._connection, error)
+                await drop_idle_connections(self.connect, error)
                 delay = outage.failed(error)
             else:
                 outage.succeeded()
@@ -103,8 +108,8 @@ class Heartbeating:
             ),
         )
 
-    async def stop_heartbeat(self) -> None:
-        task, self._heartbeat = self._heartbeat, None
+    async def stop(self) -> None:
+        task, self._task = self._task, None
         if task is None:
             return
         # A cancel that lands inside a redis-py call can be swallowed there
@@ -132,7 +137,7 @@ class Heartbeating:
         # dead-letter result write is bounded.
         await self.in_flight.dead_lettering.results.flush()
         waiting = [d for d in self.in_flight.deliveries() if not d.running()]
-        return await self._give_back(waiting, self.claim_settings.idle_timeout)
+        return await self._give_back(waiting, self.settings.idle_timeout)
 
     async def finish_shutdown(self) -> None:
         """At the very end of a shutdown: stop the heartbeat; hand back what
@@ -140,11 +145,11 @@ class Heartbeating:
         idle_timeout after their last beat, when this process is long gone,
         their interruption not counted; delete this consumer if it owns
         nothing pending."""
-        await self.stop_heartbeat()
+        await self.stop()
         held = self.in_flight.deliveries()
         running = [d for d in held if d.running()]
         waiting = [d for d in held if not d.running()]
-        await self._give_back(waiting, self.claim_settings.idle_timeout)
+        await self._give_back(waiting, self.settings.idle_timeout)
         # Idle 0 is a last beat: nothing claims them while the task may still
         # take a step before the event loop stops.
         if await self._give_back(running, 0):
@@ -152,7 +157,7 @@ class Heartbeating:
                 "%d tasks still running at shutdown: their entries become"
                 " claimable in idle_timeout (%d ms), not counted as crashes",
                 len(running),
-                self.claim_settings.idle_timeout,
+                self.settings.idle_timeout,
             )
         if self._listened and not self.in_flight.deliveries():
             await self._delete_own_consumer()
@@ -165,7 +170,7 @@ class Heartbeating:
             calls = (
                 len({d.stream for d in deliveries}) + len(deliveries) // SCRIPT_BATCH
             )
-            async with self._connection() as client:
+            async with self.connect() as client:
                 handed = await within(
                     REPLY_MARGIN_S * calls,
                     self.in_flight.hand_back(client, deliveries, idle_ms),
@@ -194,15 +199,15 @@ class Heartbeating:
         nothing pending (atomically checked): else every restart leaves one."""
         for stream in self.streams:
             try:
-                async with self._connection() as client:
+                async with self.connect() as client:
                     kept = await within(
                         REPLY_MARGIN_S,
                         self.scripts.run(
                             client,
                             delete_idle_consumer_call(
                                 stream=stream,
-                                group=self.consumer_group_name,
-                                consumer=self.consumer_name,
+                                group=self.group,
+                                consumer=self.consumer,
                             ),
                         ),
                     )
@@ -211,7 +216,7 @@ class Heartbeating:
                 # +xgroup|delconsumer leaves the consumer for doctor --fix.
                 logger.warning(
                     "Consumer %r not deleted from stream %r: %s",
-                    self.consumer_name,
+                    self.consumer,
                     stream,
                     error,
                 )
@@ -219,6 +224,6 @@ class Heartbeating:
             if int(kept) == -1:
                 logger.info(
                     "Consumer %r kept on stream %r: it still owns pending entries",
-                    self.consumer_name,
+                    self.consumer,
                     stream,
                 )

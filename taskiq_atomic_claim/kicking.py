@@ -27,6 +27,8 @@ from typing import Any
 from taskiq.message import BrokerMessage
 
 from taskiq_atomic_claim.backoff import Backoff
+from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.operations import set_idempotency_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -57,29 +59,33 @@ def producer_id(task_id: str) -> str:
     return f"tac{zlib.crc32(task_id.encode()) % PRODUCER_SHARDS}"
 
 
-class Kicking:
-    """``kick`` for the atomic brokers (mixed in before the taskiq-redis parent)."""
+class Kicker:
+    """``kick`` for the atomic brokers: one XADD per message, retried as the
+    module docstring says."""
 
-    queue_name: str
-    maxlen: int | None
-    approximate: bool
-    claim_settings: ClaimSettings
-    scripts: ScriptRunner
-    # Per stream: the server whose IDMP settings this broker last set on it.
-    _idempotency_set: dict[str, ServerInfo]
-    _kick_backoff: Backoff
-
-    def _connection(self) -> Any:
-        raise NotImplementedError
-
-    def _init_kicking(self) -> None:
-        self._idempotency_set = {}
+    def __init__(
+        self,
+        scripts: ScriptRunner,
+        connect: Connect,
+        queue_name: str,
+        maxlen: int | None,
+        approximate: bool,
+        settings: ClaimSettings,
+    ) -> None:
+        self.scripts = scripts
+        self.connect = connect
+        self.queue_name = queue_name
+        self.maxlen = maxlen
+        self.approximate = approximate
+        self.settings = settings
+        # Per stream: the server whose IDMP settings this broker last set on it.
+        self._idempotency_set: dict[str, ServerInfo] = {}
         # Shared by every kick: one outage, one log line, however many kicks.
-        self._kick_backoff = Backoff(
+        self.backoff = Backoff(
             "kicks",
             cap=1.0,
             consequence=f"a kick still failing after"
-            f" {self.claim_settings.kick_patience:g} s raises",
+            f" {settings.kick_patience:g} s raises",
         )
 
     async def kick(self, message: BrokerMessage) -> None:
@@ -87,7 +93,7 @@ class Kicking:
         ``kick_patience`` seconds (see the module docstring for which
         failures are retried), then raise the last error."""
         stream = message.labels.get("queue_name") or self.queue_name
-        give_up = time.monotonic() + self.claim_settings.kick_patience
+        give_up = time.monotonic() + self.settings.kick_patience
         while True:
             attempt = _Attempt()
             try:
@@ -103,15 +109,15 @@ class Kicking:
                         " not retried: this server has no idempotent XADD"
                         " (Redis >= 8.6), so a resend could enqueue it twice"
                     ) from error
-                await drop_idle_connections(self._connection, error)
+                await drop_idle_connections(self.connect, error)
                 # The server may be another one now (a failover, a restart
                 # on another binary): read it again before the next try.
                 self.scripts.forget_server()
-                delay = self._kick_backoff.failed(error)
+                delay = self.backoff.failed(error)
                 # Last try at the deadline: kicks share one backoff.
                 await asyncio.sleep(min(delay, remaining))
             else:
-                self._kick_backoff.succeeded()
+                self.backoff.succeeded()
                 return
 
     async def _add(
@@ -119,7 +125,7 @@ class Kicking:
     ) -> None:
         """One XADD, with IDMP where the server has it; ``attempt`` records
         how far it got, for deciding whether a failed one may be resent."""
-        async with self._connection() as client:
+        async with self.connect() as client:
             server = await self.scripts.server(client)
             options: list[Any] = []
             if server.acked_trimming and self.maxlen is not None:
@@ -138,7 +144,7 @@ class Kicking:
             )
 
     async def _set_idempotency(
-        self, client: Any, stream: str, server: ServerInfo
+        self, client: ScriptClient, stream: str, server: ServerInfo
     ) -> None:
         """Once per stream and server: how long and how many task ids the
         stream remembers (``lua/set_idempotency.lua``). Setting the values
@@ -150,7 +156,7 @@ class Kicking:
             client,
             set_idempotency_call(
                 stream=stream,
-                duration_s=self.claim_settings.idempotency_window,
+                duration_s=self.settings.idempotency_window,
                 maxsize=IDMP_MAXSIZE,
             ),
         )

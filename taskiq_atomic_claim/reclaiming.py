@@ -1,11 +1,12 @@
-"""The listen loop every atomic broker shares: read, reclaim, heartbeat, hand back.
+"""The listen loop every atomic broker shares: read, reclaim, deliver.
 
-A broker class mixes this in before its taskiq-redis parent and says how to
-get a client (``_connection``). Everything that talks to the server goes
-through the scripts in ``lua/`` or plain stream commands, so the same loop
-serves a standalone server, Sentinel and Cluster. When and how it claims is
-in ``claiming.py``, the heartbeat and hand-back in ``heartbeat.py``, the
-stream and group checks in ``stream_setup.py``.
+``Listener`` takes the collaborators the broker built: the claim schedule
+and the Lua path's claims (``claim_schedule.py``), a reader per path
+(``reads.py``, ``native_reads.py``), the path choice (``reclaim_path.py``),
+the consumer groups (``stream_setup.py``) and the heartbeat
+(``heartbeat.py``). Everything that talks to the server goes through the
+scripts in ``lua/`` or plain stream commands, so the same loop serves a
+standalone server, Sentinel and Cluster.
 """
 
 from __future__ import annotations
@@ -13,25 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from taskiq import AckableMessage, TaskiqMiddleware
-from taskiq.abc.formatter import TaskiqFormatter
-from taskiq.abc.result_backend import AsyncResultBackend
+from taskiq import AckableMessage, AsyncBroker
 
 from taskiq_atomic_claim.backoff import Backoff
-from taskiq_atomic_claim.claiming import Claiming
-from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
-from taskiq_atomic_claim.group_recovery import GroupPositions
-from taskiq_atomic_claim.heartbeat import Heartbeating
-from taskiq_atomic_claim.in_flight import InFlight
-from taskiq_atomic_claim.kicking import Kicking
+from taskiq_atomic_claim.claim_schedule import ClaimSchedule, ScriptClaims
+from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
+from taskiq_atomic_claim.heartbeat import Heartbeat
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.native_reads import NativeReads, read_entries
+from taskiq_atomic_claim.native_reads import NativePathReads
 from taskiq_atomic_claim.pipelined import PipelinedCalls
+from taskiq_atomic_claim.reads import LuaPathReads, read_entries
 from taskiq_atomic_claim.receiver_hooks import hook_receiver
+from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -41,79 +40,55 @@ from taskiq_atomic_claim.server_calls import (
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
-from taskiq_atomic_claim.stream_setup import StreamSetup
+from taskiq_atomic_claim.stream_setup import ConsumerGroups
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
 
-class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSetup):
-    """Mixin for a taskiq-redis stream broker; see ``AtomicRedisStreamBroker``."""
+class Listener:
+    """One consumer's listen loop and the acks of what it delivered."""
 
-    # Provided by the taskiq-redis parent class.
-    queue_name: str
-    consumer_group_name: str
-    consumer_name: str
-    additional_streams: dict[str, str | int]
-    block: int
-    count: int | None
-    mkstream: bool
-    maxlen: int | None
-    approximate: bool
-    if TYPE_CHECKING:  # at run time the parent's methods must win the MRO
-        formatter: TaskiqFormatter
-        middlewares: list[TaskiqMiddleware]
-        result_backend: AsyncResultBackend[Any]
+    def __init__(
+        self,
+        *,
+        connection: Connection,
+        scripts: ScriptRunner,
+        settings: ClaimSettings,
+        metrics: ReclaimMetrics,
+        in_flight: EntryLifecycle,
+        schedule: ClaimSchedule,
+        claims: ScriptClaims,
+        lua_reads: LuaPathReads,
+        native_reads: NativePathReads,
+        path: PathChoice,
+        groups: ConsumerGroups,
+        heartbeat: Heartbeat,
+        read_from: dict[str, str | int],
+        group: str,
+        consumer: str,
+    ) -> None:
+        self.connection = connection
+        self.claim_settings = settings
+        self.consumer_group_name = group
+        self.consumer_name = consumer
+        self.scripts = scripts
+        self.metrics = metrics
+        self.in_flight = in_flight
+        self.schedule = schedule
+        self.claims = claims
+        self.lua_reads = lua_reads
+        self.native_reads = native_reads
+        self.path = path
+        self.groups = groups
+        self.heartbeat = heartbeat
+        self.read_from = read_from
 
-        def add_middlewares(self, *middlewares: TaskiqMiddleware) -> None: ...
-        def find_task(self, task_name: str) -> Any: ...
-
-    claim_settings: ClaimSettings
-    scripts: ScriptRunner
-    # Whether starts and acks go pipelined over one connection of the
-    # listen client's pool (see pipelined.py): only where that pool lives as
-    # long as the broker.
-    pipelines_calls = False
-
-    def _init_reclaim(self, claim_settings: ClaimSettings) -> None:
-        self.claim_settings = claim_settings
-        self.claim_interval = claim_settings.claim_interval
-        self.metrics = ReclaimMetrics()
-        self.scripts = ScriptRunner(
-            on_reload=lambda: self.metrics.add("script_reloads", "*")
-        )
-        # Delivered to this consumer and not yet acked: what the heartbeat
-        # keeps from being reclaimed, and what shutdown hands back.
-        self.in_flight = InFlight(
-            self.scripts,
-            self.consumer_group_name,
-            self.consumer_name,
-            claim_settings,
-            self.metrics,
-            DeadLetterResults(lambda: self.result_backend),
-            stand_aside=self._stand_aside,
-            connect=self._connection,
-        )
-        self.group_positions = GroupPositions()
-        self._init_native_reads()
-        self._init_kicking()
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._claim_error: Exception | None = None
-        # Per stream: when (monotonic s) this consumer claims on it next.
-        self._claim_due: dict[str, float] = {}
-
-    def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
-        raise NotImplementedError
-
-    @property
-    def streams(self) -> list[str]:
-        return [self.queue_name, *self.additional_streams]
-
-    async def listen(self) -> AsyncGenerator[AckableMessage, None]:
+    async def listen(self, broker: AsyncBroker) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and reclaimed ones: reclaimed by the reads
         themselves on Redis >= 8.4, else by the claim script every claim
-        interval."""
-        self._begin_listening()
-        read_from = {self.queue_name: ">", **self.additional_streams}
+        interval. ``broker`` is the app's broker, whose formatter and
+        middlewares learn which entry each task comes from."""
+        self._begin_listening(broker)
         # After a full claim batch, read new messages before claiming again:
         # they keep flowing while a backlog drains.
         read_turn = False
@@ -123,30 +98,32 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
         # Under OOM claims are refused while reads work: such an outage
         # lasts until a claim works again, not until the next read.
         claim_refused = claiming = False
-        async with self._connection() as client:
+        async with self.connection.listen_client(self._mark_delivered) as client:
             self._pipeline_over(client)
             while True:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
-                    self._raise_deferred_claim_error()
+                    self.claims.raise_deferred_error()
                     if recreate_group:
-                        await self.recreate_groups(client)
+                        await self.groups.recreate(client)
                         recreate_group = False
-                    reads_reclaim = await self._reads_reclaim_on(client)
+                    reads_reclaim = await self.path.reads_reclaim_on(client)
                     # Where reads reclaim, no claim call runs at all.
-                    due = [] if reads_reclaim else self._due_streams()
+                    due = [] if reads_reclaim else self.schedule.due_streams()
                     if due and not read_turn:
                         claiming = True
                         batch = await within(
-                            REPLY_MARGIN_S * len(due), self._claim_all(client, due)
+                            REPLY_MARGIN_S * len(due),
+                            self.claims.claim_all(client, due),
                         )
                         claiming = claim_refused = False
                         read_turn = bool(batch)
                     if not batch:
                         # The read blocks until the next claim at most.
                         read_turn = False
-                        batch = await self._read_step(client, read_from, reads_reclaim)
+                        reads = self.native_reads if reads_reclaim else self.lua_reads
+                        batch = await reads.step(client, self.read_from)
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
                     claim_refused = claim_refused or (claiming and refused)
@@ -177,7 +154,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
                         yield message
 
     async def _wait_out(
-        self, client: Any, error: Exception, outage: Backoff, group_gone: bool
+        self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool
     ) -> bool:
         """After a failed call of listen(): wait as the fault needs, raise a
         usage error. True when the consumer group is gone."""
@@ -202,7 +179,7 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             # Refused as a usage error: maybe by another server version
             # (XREADGROUP ... CLAIM on a server restarted on an older binary).
             try:
-                changed = await self.server_changed(client)
+                changed = await self.path.server_changed(client)
             except Exception as reread_error:
                 if not is_outage(reread_error):
                     raise error from reread_error
@@ -214,61 +191,32 @@ class ReclaimingListener(Kicking, NativeReads, Claiming, Heartbeating, StreamSet
             return False
         if fault in (Fault.UNREACHABLE, Fault.DEMOTED):
             # Reconnected, or a failover: maybe to another server version.
-            self.choose_path_again()
+            self.path.choose_path_again()
         # Unreachable, demoted (a failover, REPLICAOF) or refusing for now
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
         return False
 
-    def _pipeline_over(self, client: Any) -> None:
-        if self.pipelines_calls and self.in_flight.pipelined is None:
+    def _mark_delivered(self, fetched: Any) -> None:
+        for stream, entry_id, _, _ in read_entries(fetched):
+            self.in_flight.add(stream, [entry_id])
+
+    def _pipeline_over(self, client: ScriptClient) -> None:
+        if self.connection.pipelines and self.in_flight.pipelined is None:
             pipelined = PipelinedCalls(client)
             if pipelined.available:
                 self.in_flight.pipelined = pipelined
 
-    def _begin_listening(self) -> None:
+    def _begin_listening(self, broker: AsyncBroker) -> None:
         """What a new listen() (one new connection) starts from."""
-        self._listened = True
-        self.metrics.declare(self.streams)
-        self._track_starts()
-        self._start_heartbeat()
-        self._claim_due = dict.fromkeys(self.streams, time.monotonic())
-        self._chosen_on = None  # the path is logged at its first call
+        self.metrics.declare(self.groups.streams)
+        self._track_starts(broker)
+        self.heartbeat.start()
+        self.schedule.begin()
+        self.path.begin()
 
-    def _track_starts(self) -> None:
-        hook_receiver(self, self.in_flight)
-
-    async def _read_new(
-        self,
-        client: Any,
-        read_from: dict[str, Any],
-        next_claim: float,
-        *,
-        claim: bool = False,
-        block: bool = True,
-    ) -> list[tuple[str, str, dict[Any, Any]]]:
-        """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
-        first, taken over by the read itself. Without ``block`` it returns
-        at once."""
-        # Never block past the next claim: reclaim must not wait for traffic.
-        until = max(1, int((next_claim - time.monotonic()) * 1000))
-        block_ms = (min(self.block, until) if self.block else until) if block else None
-        idle = self.claim_settings.idle_timeout
-        extra = {"claim_min_idle_time": idle} if claim else {}
-        fetched: Any = await client.xreadgroup(
-            self.consumer_group_name,
-            self.consumer_name,
-            read_from,
-            block=block_ms,
-            count=self.count,
-            **extra,
-        )
-        read = read_entries(fetched)
-        for stream, entry_id, _, _ in read:
-            self.group_positions.advance(stream, entry_id)
-        if claim:
-            return await self._screen_reclaimed(client, read)
-        return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
+    def _track_starts(self, broker: AsyncBroker) -> None:
+        hook_receiver(broker, self.in_flight)
 
     async def _deliverable(
         self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]

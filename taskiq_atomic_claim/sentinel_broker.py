@@ -1,7 +1,7 @@
 """``AtomicRedisStreamSentinelBroker``: the atomic reclaim behind Redis Sentinel.
 
 taskiq-redis's ``RedisStreamSentinelBroker`` never reclaims. This broker runs
-the shared listen loop (``ReclaimingListener``) on a client from
+the shared listen loop (``reclaiming.Listener``) on a client from
 ``self.sentinel.master_for(self.master_name)``. Two things a failover does
 need handling beyond what redis-py's Sentinel pool does by itself:
 
@@ -27,19 +27,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import SSLConnection
-from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamSentinelBroker
 
-from taskiq_atomic_claim.claim import ClaimOutcome
-from taskiq_atomic_claim.reclaiming import ReclaimingListener, logger
-from taskiq_atomic_claim.server_errors import UNREACHABLE, Fault, classify, is_outage
+from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.server_errors import UNREACHABLE, Fault, classify
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
     DEFAULT_KICK_PATIENCE_S,
@@ -89,9 +91,7 @@ class MasterFollowingSSLConnection(MasterFollowingConnection, SSLConnection):
 
 # The parent annotates additional_streams as dict[str, str], the loop as
 # dict[str, str | int] (what XREADGROUP takes): the same object either way.
-class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
-    ReclaimingListener, RedisStreamSentinelBroker
-):
+class AtomicRedisStreamSentinelBroker(RedisStreamSentinelBroker):
     """A drop-in ``RedisStreamSentinelBroker`` that reclaims, as
     ``AtomicRedisStreamBroker`` does on a single server, and follows the
     master across failovers."""
@@ -187,9 +187,53 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
             additional_streams=additional_streams,  # type: ignore[arg-type]
             **connection_kwargs,
         )
-        # The parent has no xread_count; the listen loop reads self.count.
-        self.count = xread_count
-        self._init_reclaim(claim_settings)
+        self.atomic = AtomicParts(
+            self,
+            claim_settings,
+            SentinelConnection(
+                self.sentinel, master_name, queue_name, claim_settings.claim_interval
+            ),
+            xread_count,
+        )
+
+    @property
+    def metrics(self) -> ReclaimMetrics:
+        """What this broker counted (``metrics.snapshot()``)."""
+        return self.atomic.metrics
+
+    async def _declare_consumer_group(self) -> None:
+        await self.atomic.declare_groups()
+
+    async def startup(self) -> None:
+        await self.atomic.startup(super().startup)
+
+    async def shutdown(self) -> None:
+        await self.atomic.shutdown(super().shutdown)
+
+    async def kick(self, message: BrokerMessage) -> None:
+        await self.atomic.kicker.kick(message)
+
+    def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        return self.atomic.listen(self)
+
+
+class SentinelConnection(Connection):
+    """The master behind the sentinels, followed across failovers."""
+
+    waits_out_startup = True
+
+    def __init__(
+        self,
+        sentinel: Sentinel,
+        master_name: str,
+        queue_name: str,
+        claim_interval_ms: int,
+    ) -> None:
+        super().__init__(queue_name)
+        self.sentinel = sentinel
+        self.master_name = master_name
+        # How often (s) the sentinels are asked for the master at most.
+        self.check_every_s = min(claim_interval_ms, 1000) / 1000
         self._master_checked = 0.0
         self._master_client: Redis | None = None
 
@@ -197,9 +241,8 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         """The broker's one master client, made at first use: reads, claims,
         acks, start records and heartbeats share its pool, which asks the
         sentinels for the master when it opens a connection and drops its
-        idle ones when ``_follow_master`` finds the master moved. Kicks keep
-        the parent's client per kick: a producer sees no stale connection
-        after a failover."""
+        idle ones when ``before_call`` finds the master moved. Kicks go
+        through it too, each checked the same way first."""
         if self._master_client is None:
             ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
             connection_class = (
@@ -211,7 +254,7 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         return self._master_client
 
     @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[Redis]:
+    async def connect(self) -> AsyncIterator[Redis]:
         # Acks and heartbeats follow the master too: while every slot is
         # busy the listen loop is parked and checks nothing, and the old
         # master takes writes until it is demoted, then throws them away.
@@ -220,74 +263,20 @@ class AtomicRedisStreamSentinelBroker(  # type: ignore[misc]
         # pool is the broker's, and its shutdown disconnects it.
         client = self._master()
         with contextlib.suppress(*UNREACHABLE):
-            await self._follow_master(client)
+            await self.before_call(client)
         yield client
 
-    async def _declare_consumer_group(self) -> None:
-        # As the parent, except that a worker started mid-failover does not
-        # die here: the listen loop waits the outage out and recreates a
-        # group it finds missing.
-        try:
-            async with self._connection() as client:
-                await self.declare_groups(client)
-        except UNREACHABLE as error:
-            logger.warning(
-                "Consumer group %r not created yet: %s", self.consumer_group_name, error
-            )
-
-    async def claim_streams(
-        self, client: Any, streams: list[str]
-    ) -> list[ClaimOutcome]:
-        """A claim cycle, after making sure ``client`` is on the current master."""
-        await self._follow_master(client)
-        return await super().claim_streams(client, streams)
-
-    async def _read_new(self, client: Any, *args: Any, **kwargs: Any) -> Any:
-        # Claims can be minutes apart (idle_timeout / 4 by default): reads,
-        # at least every xread_block, check for a replaced master too.
-        await self._follow_master(client)
-        return await super()._read_new(client, *args, **kwargs)
-
-    async def _follow_master(self, client: Any) -> None:
+    async def before_call(self, client: Any) -> None:
         """Ask the sentinels for the master at most every claim interval or
         second, whichever is shorter; when it moved, the pool closes its idle
         connections, so the next command reaches the new one."""
         now = time.monotonic()
-        every_s = min(self.claim_settings.claim_interval, 1000) / 1000
-        if now - self._master_checked >= every_s:
+        if now - self._master_checked >= self.check_every_s:
             self._master_checked = now
             await client.connection_pool.get_master_address()
 
-    async def startup(self) -> None:
-        """Create the groups and check the stream keys, as the standalone
-        broker does; no reachable master yet (mid-failover) is waited out by
-        the listen loop instead of failing the worker's start."""
-        await super().startup()
-        try:
-            await self.check_stream_types()
-            await self.require_scripting()
-        except Exception as error:
-            if not is_outage(error):
-                raise
-            logger.warning(
-                "Stream keys and scripting not checked at start-up: %s", error
-            )
-            return await self.check_durability()
-        await self.check_server_features()
-        await self.check_durability()
-
-    async def shutdown(self) -> None:
-        """Hand back what no task runs; after the app's shutdown handlers
-        (tasks run on through them), give back the rest and delete this
-        consumer if it owns nothing pending (``finish_shutdown``); then close
-        the master client's pool."""
-        await self.hand_back()
-        try:
-            await super().shutdown()
-        finally:
-            try:
-                await self.finish_shutdown()
-            finally:
-                client, self._master_client = self._master_client, None
-                if client is not None:
-                    await client.aclose()
+    async def close(self) -> None:
+        """Close the master client's pool."""
+        client, self._master_client = self._master_client, None
+        if client is not None:
+            await client.aclose()

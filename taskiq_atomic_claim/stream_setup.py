@@ -1,17 +1,14 @@
-"""What a worker checks and repairs about its streams and consumer groups,
-part of every atomic broker (``ReclaimingListener`` mixes this in): key types
-and server durability at startup, groups lost to an empty restart or a
-deletion while it runs (``group_recovery``)."""
+"""A worker's consumer groups: created at startup where missing, re-created
+when lost to an empty restart or a deletion while it runs
+(``group_recovery``); and the check that a stream key holds a stream."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, ResponseError
 
-from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import (
     GroupPositions,
     create_group,
@@ -19,7 +16,7 @@ from taskiq_atomic_claim.group_recovery import (
     recreate_group,
 )
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_errors import UNREACHABLE, stream_missing
+from taskiq_atomic_claim.server_errors import is_outage, stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -39,50 +36,57 @@ async def require_stream_type(client: Any, stream: str) -> None:
         )
 
 
-class StreamSetup:
-    """Startup checks of the stream keys and servers; group re-creation."""
+class ConsumerGroups:
+    """One consumer group over a worker's streams."""
 
-    queue_name: str
-    consumer_group_name: str
-    consumer_id: str
-    mkstream: bool
-    group_positions: GroupPositions
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        streams: list[str],
+        group: str,
+        consumer_id: str,
+        mkstream: bool,
+        positions: GroupPositions,
+    ) -> None:
+        self.streams = streams
+        self.group = group
+        self.consumer_id = consumer_id
+        self.mkstream = mkstream
+        self.positions = positions
 
-        @property
-        def streams(self) -> list[str]: ...
-
-        def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
-
-    async def check_stream_types(self) -> None:
-        """Fail at startup, naming the key, if a stream key holds another type."""
-        async with self._connection() as client:
-            for stream in self.streams:
-                await require_stream_type(client, stream)
-
-    async def _declare_consumer_group(self) -> None:
-        """Startup: create the group where missing, as the parent does, but
-        never after accepted tasks no worker has seen (``first_position``)."""
-        async with self._connection() as client:
-            await self.declare_groups(client)
-
-    async def declare_groups(self, client: Any) -> None:
-        """Create each stream's group where missing; a refusal that retrying
-        cannot heal (NOPERM, ...) fails the start (``GroupCreationError``)."""
+    async def declare(self, client: Any, *, wait_out_outages: bool = False) -> None:
+        """Startup: create each stream's group where missing, as the parent
+        does, but never after accepted tasks no worker has seen
+        (``first_position``). A refusal that retrying cannot heal (NOPERM,
+        ...) fails the start (``GroupCreationError``); with
+        ``wait_out_outages`` a server that cannot be reached does not (the
+        listen loop waits it out and creates a group it finds missing)."""
         for stream in self.streams:
-            # A key of another type is named as such, not as a refused group.
-            await require_stream_type(client, stream)
-            start = await first_position(client, stream, self.consumer_id)
             try:
-                await create_group(
-                    client, stream, self.consumer_group_name, start, self.mkstream
+                await self._declare(client, stream)
+            except Exception as error:
+                # Unreachable, or a Cluster slot migrating ("TTL exhausted").
+                outage = is_outage(error) or isinstance(error, RedisClusterException)
+                if not (wait_out_outages and outage):
+                    raise
+                logger.warning(
+                    "Consumer group %r on stream %r not created yet: %s",
+                    self.group,
+                    stream,
+                    error,
                 )
-            except ResponseError as error:
-                # No stream (mkstream=False) or an outage: the listen loop
-                # creates the group once it can.
-                logger.debug("Group on %r not created yet: %s", stream, error)
 
-    async def recreate_groups(self, client: Any) -> None:
+    async def _declare(self, client: Any, stream: str) -> None:
+        # A key of another type is named as such, not as a refused group.
+        await require_stream_type(client, stream)
+        start = await first_position(client, stream, self.consumer_id)
+        try:
+            await create_group(client, stream, self.group, start, self.mkstream)
+        except ResponseError as error:
+            # No stream (mkstream=False) or an outage: the listen loop
+            # creates the group once it can.
+            logger.debug("Group on %r not created yet: %s", stream, error)
+
+    async def recreate(self, client: Any) -> None:
         """Re-create the consumer group on every stream that lost it, never
         after entries it holds (see ``group_recovery``)."""
         for stream in self.streams:
@@ -90,8 +94,8 @@ class StreamSetup:
                 start = await recreate_group(
                     client,
                     stream,
-                    self.consumer_group_name,
-                    self.group_positions.get(stream),
+                    self.group,
+                    self.positions.get(stream),
                     self.mkstream,
                 )
             except ResponseError as error:
@@ -103,24 +107,7 @@ class StreamSetup:
             if start is not None:
                 logger.warning(
                     "Re-created consumer group %r on stream %r at id %s",
-                    self.consumer_group_name,
+                    self.group,
                     stream,
                     start,
                 )
-
-    def _servers(self, client: Any) -> list[tuple[str, Any]]:
-        """The servers behind ``client``, each with a name for the log."""
-        return [(f"server of queue {self.queue_name!r}", client)]
-
-    async def check_durability(self) -> None:
-        """Startup: remember where the groups are, and warn about server
-        settings that lose tasks. Never fails the start."""
-        try:
-            async with self._connection() as client:
-                await self.group_positions.learn(
-                    client, self.streams, self.consumer_group_name
-                )
-                for where, server in self._servers(client):
-                    await warn_about_durability(server, where)
-        except UNREACHABLE as error:
-            logger.debug("Durability not checked at start-up: %s", error)

@@ -11,7 +11,7 @@ async def start_as_the_receiver_does(broker: Any, delivered: AckableMessage) -> 
     """Run in a task of its own, as the receiver's callback: the broker
     learns the entry from the data it parses (here without parsing: test
     bodies are no taskiq messages), then every middleware's pre_execute."""
-    broker.in_flight.loaded(delivered.data)
+    broker.atomic.in_flight.loaded(delivered.data)
     parsed = TaskiqMessage(task_id="t", task_name="t", labels={}, args=[], kwargs={})
     for middleware in broker.middlewares:
         await middleware.pre_execute(parsed)

@@ -144,7 +144,7 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             steps.append("ack")
             await maybe_awaitable(got[0].ack())
             steps.append("hand back")
-            await broker.hand_back()
+            await broker.atomic.heartbeat.hand_back()
     finally:
         steps.append("shutdown")
         with contextlib.suppress(RedisError, RuntimeError):

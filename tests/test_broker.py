@@ -48,7 +48,7 @@ async def make_broker(server: Server, redis: Redis) -> AsyncIterator[Any]:
 async def die(broker: AtomicRedisStreamBroker, listener: Any) -> None:
     """What SIGKILL does in-process: no more reads, no more heartbeats, no ack."""
     await listener.aclose()
-    await broker.stop_heartbeat()
+    await broker.atomic.heartbeat.stop()
 
 
 async def receive(
@@ -253,7 +253,7 @@ def test_a_lease_longer_than_idle_timeout_is_cut_with_one_warning(
             claim_interval=750,
             unacknowledged_lock_timeout=60,
         )
-    assert broker.claim_settings.lease == 3000
+    assert broker.atomic.settings.lease == 3000
     [warning] = caplog.records
     assert "unacknowledged_lock_timeout" in warning.message
     assert "idle_timeout + claim_interval (3.75 s)" in warning.message
@@ -262,19 +262,19 @@ def test_a_lease_longer_than_idle_timeout_is_cut_with_one_warning(
         within = AtomicRedisStreamBroker(
             "redis://127.0.0.1:1", idle_timeout=3000, unacknowledged_lock_timeout=3
         )
-    assert within.claim_settings.lease == 3000
+    assert within.atomic.settings.lease == 3000
     assert caplog.records == []
 
 
 def test_defaults_follow_the_parent() -> None:
     broker = AtomicRedisStreamBroker("redis://127.0.0.1:1")
     assert broker.idle_timeout == 600_000
-    assert broker.claim_interval == 150_000
-    assert broker.claim_settings.lease == 150_000
+    assert broker.atomic.settings.claim_interval == 150_000
+    assert broker.atomic.settings.lease == 150_000
     assert broker.unacknowledged_batch_size == 100
     short = AtomicRedisStreamBroker("redis://127.0.0.1:1", idle_timeout=1_000)
-    assert short.claim_interval == 250
+    assert short.atomic.settings.claim_interval == 250
     lock = AtomicRedisStreamBroker(
         "redis://127.0.0.1:1", unacknowledged_lock_timeout=2.5
     )
-    assert lock.claim_settings.lease == 2_500
+    assert lock.atomic.settings.lease == 2_500

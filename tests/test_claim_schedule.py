@@ -46,7 +46,7 @@ async def make_broker(server: Server, lua_path: None) -> AsyncIterator[Any]:
 
     yield make
     for broker in started:
-        await broker.stop_heartbeat()
+        await broker.atomic.heartbeat.stop()
         await broker.shutdown()
 
 
@@ -103,10 +103,10 @@ async def test_one_script_call_claims_every_stream(
         additional_streams={"two": ">", "three": ">"},
         consumer_name="live",
     )
-    async with broker._connection() as client:
-        await broker.scripts.load(client)
+    async with broker.atomic.connection.connect() as client:
+        await broker.atomic.scripts.load(client)
         before = await script_calls(redis)
-        batch = await broker._claim_all(client)
+        batch = await broker.atomic.claims.claim_all(client)
     assert await script_calls(redis) == before + 1
     assert sorted({stream for stream, _, _ in batch}) == ["one", "three", "two"]
     assert len(batch) == 6
@@ -145,7 +145,7 @@ async def test_claims_never_exceed_what_the_worker_reads_at_once(
     for _ in range(12):
         message = await asyncio.wait_for(listener.__anext__(), 10)
         # Held: delivered by claims and not yet acked, this one included.
-        held.append(len(broker.in_flight))
+        held.append(len(broker.atomic.in_flight))
         await maybe_awaitable(message.ack())
     assert max(held) <= 5
     assert (
@@ -201,8 +201,8 @@ async def test_a_non_holder_makes_no_claim_while_the_lease_it_was_told_of_lives(
         unacknowledged_lock_timeout=30,
         consumer_name="holder",
     )
-    async with holder._connection() as client:
-        assert not (await holder.claim(client, "jobs")).skipped
+    async with holder.atomic.connection.connect() as client:
+        assert not (await holder.atomic.claims.claim(client, "jobs")).skipped
     other = await make_broker(
         queue_name="jobs",
         idle_timeout=60_000,
@@ -225,7 +225,7 @@ async def test_a_worker_holding_nothing_claims_a_small_batch_first(
     )
     listener = broker.listen()
     message = await asyncio.wait_for(listener.__anext__(), 10)
-    assert len(broker.in_flight) <= 10
+    assert len(broker.atomic.in_flight) <= 10
     await maybe_awaitable(message.ack())
 
 

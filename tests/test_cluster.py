@@ -198,8 +198,8 @@ def test_parent_arguments_keep_their_positions() -> None:
     assert (broker.queue_name, broker.consumer_group_name) == ("jobs", "workers")
     assert (broker.consumer_name, broker.consumer_id, broker.block) == ("me", "0", 3000)
     assert broker.mkstream is False
-    assert broker.claim_settings.idle_timeout == 600000
-    assert broker.count == 100
+    assert broker.atomic.settings.idle_timeout == 600000
+    assert broker.atomic.reads.count == 100
 
 
 def test_the_oldest_primary_by_its_real_version_decides_the_features() -> None:
@@ -322,7 +322,7 @@ async def test_entries_read_while_the_consumer_is_busy_are_heartbeated(
     await asyncio.sleep(3 * IDLE_MS / 1000)
     assert hungry.bodies == []
     await hungry.stop()
-    assert busy.in_flight[streams[1]]
+    assert busy.atomic.in_flight[streams[1]]
     later = await asyncio.wait_for(listener.__anext__(), 5)
     assert later.data == b"second"
     for delivered in (received, later):
@@ -341,9 +341,10 @@ async def test_a_library_flushed_from_one_primary_is_loaded_again(
     consumer = Consumer(broker)
     assert await consumer.wait_for(await kick_all(broker, streams, 1, "a"), 10)
     assert (
-        await broker.scripts.mode(SlotRoutedClient(broker.redis)) is LoadMode.FUNCTIONS
+        await broker.atomic.scripts.mode(SlotRoutedClient(broker.redis))
+        is LoadMode.FUNCTIONS
     )
-    reloads = broker.scripts.reloads
+    reloads = broker.atomic.scripts.reloads
 
     flushed = cluster.node_for(streams[1])
     with node_client(flushed) as client:
@@ -351,10 +352,10 @@ async def test_a_library_flushed_from_one_primary_is_loaded_again(
     assert LIBRARY.name not in libraries_on(flushed)
     # The next claim cycle on that primary finds the library gone.
     for _ in range(100):
-        if broker.scripts.reloads > reloads:
+        if broker.atomic.scripts.reloads > reloads:
             break
         await asyncio.sleep(0.05)
-    assert broker.scripts.reloads > reloads
+    assert broker.atomic.scripts.reloads > reloads
     assert await consumer.wait_for(await kick_all(broker, streams, 1, "b"), 10)
     assert LIBRARY.name in libraries_on(flushed)
     await consumer.stop()
@@ -576,7 +577,7 @@ async def test_primary_killed_mid_run_claims_continue_nothing_lost(
         f" first on the failed-over slot at {first_seen(on_victim):.2f} s,"
         f" all {len(everything)} by {done - killed:.2f} s;"
         f" {len(survivor.bodies) - len(set(survivor.bodies))} duplicates;"
-        f" library reloads {survivor_broker.scripts.reloads};"
+        f" library reloads {survivor_broker.atomic.scripts.reloads};"
         f" the single-stream worker had its stream back at {solo_done - killed:.2f} s"
     )
     # Functions replicate: the promoted replica already had the library.
@@ -688,7 +689,7 @@ async def test_redis_62_cluster_claims_with_cached_scripts(
     # SCRIPT FLUSH on every primary after the first broker's claims loaded
     # them: the survivor's claims load them on every primary again.
     broker = await _reclaim_round(cluster_62, make_broker, "scripts", flush=True)
-    assert await broker.scripts.mode(SlotRoutedClient(broker.redis)) is (
+    assert await broker.atomic.scripts.mode(SlotRoutedClient(broker.redis)) is (
         LoadMode.SCRIPTS
     )
     shas = [script.sha for script in LIBRARY.scripts.values()]
@@ -696,7 +697,7 @@ async def test_redis_62_cluster_claims_with_cached_scripts(
         with node_client(node) as client:
             assert all(client.script_exists(*shas))
     # The survivor had run none before the flush: its first load, no reload.
-    assert broker.scripts.reloads == 0
+    assert broker.atomic.scripts.reloads == 0
 
 
 @bounded(90)
@@ -709,7 +710,7 @@ async def test_redis_8_cluster_reclaims_through_its_reads(
         with node_client(node) as client:
             client.config_resetstat()
     broker = await _reclaim_round(redis_8_cluster, make_broker, "native", flush=False)
-    assert broker.reclaim_path == NATIVE_CLAIM
+    assert broker.atomic.path.reclaim_path == NATIVE_CLAIM
     for node in redis_8_cluster.primaries:
         with node_client(node) as client:
             assert client.keys("taskiq-atomic-claim:lease:*") == []
@@ -723,7 +724,7 @@ async def test_valkey_cluster_reads_and_reclaims(
     valkey_cluster: LocalCluster, make_broker: Brokers
 ) -> None:
     broker = await _reclaim_round(valkey_cluster, make_broker, "valkey", flush=False)
-    assert await broker.scripts.mode(SlotRoutedClient(broker.redis)) is (
+    assert await broker.atomic.scripts.mode(SlotRoutedClient(broker.redis)) is (
         LoadMode.FUNCTIONS
     )
 

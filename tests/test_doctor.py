@@ -305,8 +305,8 @@ async def test_a_mixed_fleet_loses_nothing_and_leaves_no_unexpiring_key(
         got_new = await dying.pull(2)
         assert got_new is not None and got_new.data == b"held-by-new"
         await dying.die()
-        await new.stop_heartbeat()
-        new.in_flight.clear()  # dead: it hands nothing back
+        await new.atomic.heartbeat.stop()
+        new.atomic.in_flight.clear()  # dead: it hands nothing back
         await asyncio.sleep(IDLE_MS / 1000 + 0.1)
         old = await worker("old", "old-3")
         reclaimer = Listener(old.listen())

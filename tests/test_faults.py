@@ -418,7 +418,7 @@ async def test_acks_giving_up_in_an_outage_log_one_line_and_raise_nothing(
         lines = outage_lines(caplog, "acks of consumer worker")
         assert len(lines) == 1, [r.getMessage() for r in caplog.records]
         # Not acked, so claimable again: no heartbeat may hold them.
-        assert broker.in_flight["taskiq"] == set()
+        assert broker.atomic.in_flight["taskiq"] == set()
     finally:
         server.local.start()
         await redis.connection_pool.disconnect()

@@ -242,7 +242,7 @@ async def test_zero_patience_raises_at_once_as_taskiq_redis_does() -> None:
     with pytest.raises(SendTaskError):
         await task.kiq()  # nothing listens on the port
     await broker.shutdown()
-    assert broker._kick_backoff.attempts == 0
+    assert broker.atomic.kicker.backoff.attempts == 0
 
 
 @pytest.mark.parametrize(

@@ -87,12 +87,12 @@ async def test_a_dead_consumers_entry_comes_back_through_the_read(
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         xautoclaims = await command_calls(redis, "xautoclaim")
         if native:
-            assert alive.reclaim_path == NATIVE_CLAIM
+            assert alive.atomic.path.reclaim_path == NATIVE_CLAIM
             assert xautoclaims == 0, "the read reclaims: no claim script runs"
             assert await coordination_keys(redis) == [], "no lease, no cursor"
         else:
             # Redis < 8.4 and Valkey have no CLAIM: the Lua claim serves.
-            assert alive.reclaim_path == LUA_CLAIM
+            assert alive.atomic.path.reclaim_path == LUA_CLAIM
             assert xautoclaims > 0
     finally:
         await dead.shutdown()
@@ -218,12 +218,12 @@ async def test_maxlen_trims_only_acked_entries_where_the_server_can(
             # Redis >= 8.2 (XADD ... ACKED): nothing pending or unread goes.
             assert kept, "a pending entry was trimmed"
             assert await redis.xlen("taskiq") == 5
-            assert broker.trimming_policy.startswith("MAXLEN ACKED")
+            assert broker.atomic.path.trimming_policy.startswith("MAXLEN ACKED")
         else:
             # Documented: older servers and Valkey trim pending entries too.
             assert not kept
             assert await redis.xlen("taskiq") == 2
-            assert broker.trimming_policy.startswith("MAXLEN (trims")
+            assert broker.atomic.path.trimming_policy.startswith("MAXLEN (trims")
     finally:
         await broker.shutdown()
 
@@ -253,7 +253,7 @@ async def test_delete_acked_removes_acked_entries_or_is_refused(
         await maybe_awaitable(done.ack())
         assert await redis.xlen("taskiq") == 1, "the acked entry is deleted"
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 1
-        assert broker.trimming_policy.endswith("XACKDEL ACKED on ack")
+        assert broker.atomic.path.trimming_policy.endswith("XACKDEL ACKED on ack")
         await maybe_awaitable(running.ack())
         assert await redis.xlen("taskiq") == 0
     finally:
@@ -305,7 +305,7 @@ async def test_with_delete_acked_a_poison_entry_leaves_the_stream_as_an_ack_woul
         delivered = await receive(alive.listen(), IDLE_MS / 1000 + 3)
         assert delivered is not None
         assert delivered.data == b"innocent"
-        assert alive.reclaim_path == path
+        assert alive.atomic.path.reclaim_path == path
         [dead_letter] = await list_dead_letters(redis, KEYS)
         assert dead_letter.original_id == poison
         assert dead_letter.fields[b"data"] == b"poison", "the copy holds the data"

@@ -88,8 +88,8 @@ def _stored(broker: AtomicRedisStreamBroker, parameter: str) -> Any:
     where = {
         "xread_block": "block",
         "xread_count": "count",
-        "claim_interval": "claim_settings.claim_interval",
-        "max_deliveries": "claim_settings.max_deliveries",
+        "claim_interval": "atomic.settings.claim_interval",
+        "max_deliveries": "atomic.settings.max_deliveries",
     }.get(parameter, parameter)
     value: Any = broker
     for part in where.split("."):
@@ -205,7 +205,7 @@ async def test_any_valid_names_work_end_to_end(
         keys = StreamKeys(queue, group)
         # Came back from ARGV exactly as sent: the claim script's lease
         # holder. Where reads reclaim (Redis >= 8.4) no lease is ever taken.
-        lua = broker.reclaim_path == LUA_CLAIM
+        lua = broker.atomic.path.reclaim_path == LUA_CLAIM
         expected_lease = consumer.encode() if lua else None
         assert await redis.get(keys.lease) == expected_lease
         seen = await inspect_server(redis, [queue], group)

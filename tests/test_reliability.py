@@ -78,7 +78,7 @@ async def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
         assert entry["times_delivered"] == 1, "heartbeats must not count"
         assert owner.metrics.snapshot()["heartbeats"] >= 3
         await maybe_awaitable(task.ack())
-        assert owner.in_flight["taskiq"] == set()
+        assert owner.atomic.in_flight["taskiq"] == set()
     finally:
         await owner.shutdown()
         await rival.shutdown()
@@ -138,7 +138,7 @@ async def test_buffered_deliveries_are_heartbeated_too(
         listener = owner.listen()
         first = await receive(listener, 2)
         assert first is not None
-        assert len(owner.in_flight["taskiq"]) == 3
+        assert len(owner.atomic.in_flight["taskiq"]) == 3
         assert await receive(rival.listen(), 2 * IDLE_MS / 1000) is None
     finally:
         await owner.shutdown()
@@ -154,7 +154,7 @@ async def test_shutdown_hands_unacked_deliveries_back_at_once(
         for number in range(3):
             await leaving.kick(message(f"m{number}"))
         assert await receive(leaving.listen(), 2) is not None
-        assert await leaving.hand_back() == 3
+        assert await leaving.atomic.heartbeat.hand_back() == 3
         assert leaving.metrics.snapshot()["handed_back"] == 3
         begun = time.monotonic()
         listener = staying.listen()
@@ -178,10 +178,10 @@ async def test_hand_back_leaves_entries_another_consumer_took(
     try:
         await broker.kick(message("contested"))
         assert await receive(broker.listen(), 2) is not None
-        [entry_id] = broker.in_flight["taskiq"]
-        await broker.stop_heartbeat()
+        [entry_id] = broker.atomic.in_flight["taskiq"]
+        await broker.atomic.heartbeat.stop()
         await redis.xclaim("taskiq", "taskiq", "thief", 0, [entry_id], justid=True)
-        await broker.hand_back()
+        await broker.atomic.heartbeat.hand_back()
         [entry] = await redis.xpending_range("taskiq", "taskiq", "-", "+", 10)
         assert entry["consumer"] == b"thief"
         assert int(entry["time_since_delivered"]) < IDLE_MS
@@ -239,7 +239,7 @@ async def test_a_start_right_after_a_server_restart_is_counted(
         pytest.skip("needs a server this suite started")
     broker = await started(server, max_deliveries=5)
     try:
-        async with broker._connection() as client:
+        async with broker.atomic.connection.connect() as client:
             await asyncio.gather(*(client.type("taskiq") for _ in range(6)))
         caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
         listener, nxt = await restarted_empty_after_one_message(broker, server, redis)
@@ -251,7 +251,7 @@ async def test_a_start_right_after_a_server_restart_is_counted(
         # holds the connection that is known to be good.
         reading = asyncio.ensure_future(listener.__anext__())
         await asyncio.sleep(0.1)
-        async with broker._connection() as client:
+        async with broker.atomic.connection.connect() as client:
             # Calls already in flight as the task starts (acks, a heartbeat)
             # hold the connections used since the restart.
             await asyncio.gather(
@@ -316,7 +316,7 @@ async def test_the_first_load_of_the_library_is_no_reload(
         assert delivered is not None
         await maybe_awaitable(delivered.ack())
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
-        assert broker.scripts.reloads == 0
+        assert broker.atomic.scripts.reloads == 0
         assert broker.metrics.snapshot()["script_reloads"] == 0
     finally:
         await broker.shutdown()
@@ -339,13 +339,15 @@ async def test_script_flush_mid_run_is_transparent(
         assert await receive(dead_listener, 2) is not None
         await die(dead, dead_listener)
         await server_command(redis, "SCRIPT", "FLUSH")
-        if await alive.scripts.mode(redis) is LoadMode.FUNCTIONS:
+        if await alive.atomic.scripts.mode(redis) is LoadMode.FUNCTIONS:
             await server_command(redis, "FUNCTION", "FLUSH")
         reclaimed = await receive(listener, (IDLE_MS + INTERVAL_MS) / 1000 + 2)
         assert reclaimed is not None
         await maybe_awaitable(reclaimed.ack())
-        assert alive.scripts.reloads >= 1
-        assert alive.metrics.snapshot()["script_reloads"] == alive.scripts.reloads
+        assert alive.atomic.scripts.reloads >= 1
+        assert (
+            alive.metrics.snapshot()["script_reloads"] == alive.atomic.scripts.reloads
+        )
     finally:
         await dead.shutdown()
         await alive.shutdown()
@@ -378,7 +380,7 @@ async def test_concurrent_calls_after_a_flush_reload_the_library_once(
         delivered = [await receive(listener, 2) for _ in range(tasks)]
         await maybe_awaitable(delivered[0].ack())  # type: ignore[union-attr]
         # A connection each, open already, as after a while of traffic.
-        async with broker._connection() as client:
+        async with broker.atomic.connection.connect() as client:
             await asyncio.gather(*(client.type("taskiq") for _ in range(tasks)))
         await server_command(redis, "SCRIPT", "FLUSH")
         if server.info.functions:
@@ -391,7 +393,7 @@ async def test_concurrent_calls_after_a_flush_reload_the_library_once(
         print(f"\n{tasks - 1} concurrent acks after a flush: {loads} library loads")
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert loads == 1
-        assert broker.scripts.reloads == 1
+        assert broker.atomic.scripts.reloads == 1
     finally:
         await broker.shutdown()
 
@@ -466,7 +468,7 @@ async def test_ack_rides_out_a_dropped_connection(server: Server, redis: Redis) 
         await kill_other_connections(redis)
         await maybe_awaitable(received.ack())
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
-        assert broker.in_flight["taskiq"] == set()
+        assert broker.atomic.in_flight["taskiq"] == set()
     finally:
         await broker.shutdown()
 
@@ -486,7 +488,7 @@ async def test_an_ack_that_cannot_reach_the_server_stops_the_heartbeat(
             received.ack()
         )  # gives up without raising (test_faults.py)
         # Not acked, so it must become reclaimable: no heartbeat may hold it.
-        assert broker.in_flight["taskiq"] == set()
+        assert broker.atomic.in_flight["taskiq"] == set()
     finally:
         server.local.start()
         await redis.connection_pool.disconnect()
@@ -574,7 +576,7 @@ async def test_an_entry_taskiq_holds_is_not_yielded_again_when_reclaimed_from_se
         listener = owner.listen()
         task = await receive(listener, 2)
         assert task is not None
-        await owner.stop_heartbeat()
+        await owner.atomic.heartbeat.stop()
         # Idle past idle_timeout, so the next claim takes it (from itself).
         await asyncio.sleep(2 * IDLE_MS / 1000)
         assert await receive(listener, 3 * INTERVAL_MS / 1000) is None

@@ -221,7 +221,7 @@ def test_parent_arguments_keep_their_positions() -> None:
     assert (broker.master_name, broker.queue_name) == ("m", "jobs")
     assert (broker.consumer_group_name, broker.consumer_name) == ("workers", "me")
     assert (broker.consumer_id, broker.mkstream, broker.block) == ("0", False, 3000)
-    assert broker.claim_settings.idle_timeout == 600000
+    assert broker.atomic.settings.idle_timeout == 600000
 
 
 # On the shared setup.
@@ -265,7 +265,7 @@ async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
     assert recovered - died <= RECLAIM_BOUND_S
     await survivor.stop()
     assert pending_on_master(sentinels, queue) == 0
-    assert second.reclaim_path == expected_path(sentinels)
+    assert second.atomic.path.reclaim_path == expected_path(sentinels)
     assert second.metrics.snapshot()["claimed"] == len(bodies)
     assert_claims_took_the_servers_path(sentinels)
     assert unexpiring_keys([sentinels.master_port()]) == []
@@ -367,7 +367,7 @@ async def test_forced_failover_mid_run_nothing_lost(
         f" {max(after_at) - started:.2f} s, all {len(everything)} by"
         f" {done - started:.2f} s (old master still {old_role});"
         f" {len(survivor.bodies) - len(set(survivor.bodies))} duplicates;"
-        f" library reloads {survivor_broker.scripts.reloads}"
+        f" library reloads {survivor_broker.atomic.scripts.reloads}"
     )
     # The loop left the old master within a claim interval, not when the
     # sentinels demoted it: entries kicked to the new master were handled
@@ -376,7 +376,7 @@ async def test_forced_failover_mid_run_nothing_lost(
     with SyncRedis(host=HOST, port=new_master) as client:
         libraries = [_library_name(e) for e in client.execute_command("FUNCTION LIST")]
     assert LIBRARY.name in libraries
-    assert survivor_broker.reclaim_path == expected_path(setup)
+    assert survivor_broker.atomic.path.reclaim_path == expected_path(setup)
     assert survivor_broker.metrics.snapshot()["claimed"] >= len(before)
     assert_claims_took_the_servers_path(setup)
     assert unexpiring_keys([new_master]) == []
@@ -416,7 +416,7 @@ async def test_a_read_blocked_on_a_demoted_master_reconnects(
     assert handled is not None, consumer.bodies
     assert not consumer.task.done()
     await consumer.stop()
-    assert broker.reclaim_path == expected_path(setup)
+    assert broker.atomic.path.reclaim_path == expected_path(setup)
     assert_claims_took_the_servers_path(setup)
 
 
@@ -566,15 +566,15 @@ async def test_redis_62_failover_reloads_cached_scripts_if_missing(
     await asyncio.to_thread(replicate, setup)
     survivor = Consumer(survivor_broker)
     new_master, _ = await asyncio.to_thread(setup.failover)
-    reloads = survivor_broker.scripts.reloads
+    reloads = survivor_broker.atomic.scripts.reloads
     # 6.2 may or may not have replicated SCRIPT LOAD; either way, gone now.
     with SyncRedis(host=HOST, port=new_master) as client:
         client.execute_command("SCRIPT", "FLUSH")
     for _ in range(100):
-        if survivor_broker.scripts.reloads > reloads:
+        if survivor_broker.atomic.scripts.reloads > reloads:
             break
         await asyncio.sleep(0.05)
-    assert survivor_broker.scripts.reloads > reloads
+    assert survivor_broker.atomic.scripts.reloads > reloads
     assert await survivor.wait_for(bodies, 20)
     later = await kick(survivor_broker, queue, 2, "later")
     assert await survivor.wait_for(later, 10)

@@ -157,7 +157,7 @@ async def test_a_worker_keeps_consuming_and_reclaiming_when_the_server_changes(
         consuming = Consuming(alive.listen())
         # Nothing is idle long enough yet: the read only chooses the path.
         assert await consuming.next(INTERVAL_MS / 1000) is None
-        assert alive.reclaim_path == path_before
+        assert alive.atomic.path.reclaim_path == path_before
         if during == "task":
             consuming.reads.clear()
             await produce(local, "running")
@@ -177,12 +177,14 @@ async def test_a_worker_keeps_consuming_and_reclaiming_when_the_server_changes(
 
         if path_before == NATIVE_CLAIM:
             # The new server has no CLAIM: the Lua claim reclaimed the orphan.
-            assert alive.reclaim_path == LUA_CLAIM
+            assert alive.atomic.path.reclaim_path == LUA_CLAIM
         # A server swap is an ordinary operation: no traceback; one warning
         # says the server changed where the path did.
         assert not [r for r in caplog.records if r.exc_info], caplog.text
         changed = [r for r in caplog.records if "server changed" in r.getMessage()]
-        assert len(changed) == int(alive.reclaim_path != path_before), caplog.text
+        assert len(changed) == int(alive.atomic.path.reclaim_path != path_before), (
+            caplog.text
+        )
         assert all(r.levelno == logging.WARNING for r in changed)
     finally:
         await dead.shutdown()

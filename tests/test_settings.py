@@ -157,11 +157,11 @@ async def test_the_largest_accepted_values_work_on_the_server(
     try:
         async with Redis(connection_pool=broker.connection_pool) as client:
             # The cursor's TTL is the largest PX the broker ever sends.
-            assert broker.claim_settings.cursor_ttl <= MAX_EXPIRY_MS
-            for stream in broker.streams:
-                outcome = await broker.claim(client, stream)
+            assert broker.atomic.settings.cursor_ttl <= MAX_EXPIRY_MS
+            for stream in broker.atomic.streams:
+                outcome = await broker.atomic.claims.claim(client, stream)
                 assert not outcome.skipped
-            await broker._read_new(client, {"extra": ">"}, next_claim=0)
+            await broker.atomic.reads.read(client, {"extra": ">"}, next_claim=0)
             assert await redis.pttl(next(iter(await redis.keys("*lease*")))) > 0
     finally:
         await broker.shutdown()

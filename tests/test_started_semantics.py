@@ -388,7 +388,7 @@ async def test_entries_read_but_never_handed_to_taskiq_are_handed_back(
         for item in taken:
             await maybe_awaitable(item.ack())
         # The owner no longer holds them, so it never yields them.
-        assert owner.in_flight["taskiq"] == {first.data.entry_id}  # type: ignore[attr-defined]
+        assert owner.atomic.in_flight["taskiq"] == {first.data.entry_id}  # type: ignore[attr-defined]
         with contextlib.suppress(asyncio.TimeoutError):
             again = await asyncio.wait_for(owner_listener.__anext__(), 1)
             pytest.fail(f"yielded an entry it no longer owns: {again.data!r}")
@@ -454,7 +454,7 @@ async def test_a_manual_ack_task_that_never_acks_is_dead_lettered(
         [dead] = await list_dead_letters(redis, keys)
         assert dead.original_id == entry_id
         assert dead.reason == "its task ended without acking it"
-        assert broker.in_flight["taskiq"] == set()
+        assert broker.atomic.in_flight["taskiq"] == set()
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
@@ -474,7 +474,7 @@ async def test_a_graceful_hand_back_takes_back_the_starts_it_recorded(
         entry_id = running.data.entry_id  # type: ignore[attr-defined]
         assert await redis.hget(keys.started, entry_id) == b"1"
         assert await redis.pttl(keys.started) > 0
-        assert await leaving.hand_back() == 2
+        assert await leaving.atomic.heartbeat.hand_back() == 2
         assert await redis.hexists(keys.started, entry_id) is False
         assert await redis.exists(keys.started) == 0
     finally:

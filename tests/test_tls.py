@@ -175,8 +175,8 @@ async def test_broker_round_trip_and_reclaim_over_tls(
         first = await asyncio.wait_for(listener.__anext__(), 3)
         assert first.data == b"over-tls"
         await listener.aclose()
-        await dead.stop_heartbeat()
-        dead.in_flight.clear()  # it "died": nothing handed back
+        await dead.atomic.heartbeat.stop()
+        dead.atomic.in_flight.clear()  # it "died": nothing handed back
         reclaimed = await asyncio.wait_for(
             alive.listen().__anext__(), (IDLE_MS + INTERVAL_MS) / 1000 + 3
         )

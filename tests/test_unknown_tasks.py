@@ -102,7 +102,7 @@ async def test_declining_an_entry_stands_aside_on_its_stream_only(
     # claiming reads of the others: an entry a dead worker left on another
     # stream is reclaimed within idle_timeout + claim_interval all the same.
     if not server.info.native_claim:
-        pytest.skip("the Lua claim schedules each stream apart (claiming.py)")
+        pytest.skip("the Lua claim schedules each stream apart (claim_schedule.py)")
     idle_ms, interval_ms = 4000, 500
     settings: dict[str, Any] = {
         "idle_timeout": idle_ms,
@@ -121,7 +121,7 @@ async def test_declining_an_entry_stands_aside_on_its_stream_only(
         left = time.monotonic()
         assert orphan.data == b"orphan"
         await dead_listen.aclose()
-        await dead.stop_heartbeat()
+        await dead.atomic.heartbeat.stop()
         # Declined shortly before the orphan turns idle: standing aside on
         # every stream would delay it by about one stand-aside (2 s here).
         await asyncio.sleep(idle_ms / 1000 - 0.5)

@@ -846,4 +846,4 @@ class Consumer:
     async def die(self) -> None:
         """What SIGKILL does in-process: no more reads, heartbeats or acks."""
         await self.stop()
-        await self.broker.stop_heartbeat()
+        await self.broker.atomic.heartbeat.stop()

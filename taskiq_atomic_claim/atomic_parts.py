@@ -1,0 +1,205 @@
+"""What every atomic broker is built from, assembled once: the one
+constructor body, startup and shutdown the three brokers share.
+
+Each collaborator has one job and is handed what it needs: the claim
+schedule and the Lua path's claims, a reader per path, the path choice, the
+consumer groups, the startup checks, the heartbeat, the kicker and the
+listen loop. What differs between a standalone server, Sentinel and Cluster
+is one value, the broker's ``Connection``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from taskiq import AckableMessage, AsyncBroker
+from taskiq.abc.result_backend import AsyncResultBackend
+
+from taskiq_atomic_claim.claim_schedule import ClaimSchedule, ScriptClaims
+from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
+from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
+from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.heartbeat import Heartbeat
+from taskiq_atomic_claim.kicking import Kicker
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.native_reads import NativePathReads
+from taskiq_atomic_claim.reads import GroupReads, LuaPathReads
+from taskiq_atomic_claim.reclaim_path import PathChoice
+from taskiq_atomic_claim.reclaiming import Listener
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.startup_checks import StartupChecks
+from taskiq_atomic_claim.stream_setup import ConsumerGroups
+
+
+class ParentFields(Protocol):
+    """What the taskiq-redis parent's constructor set on the broker, in its
+    names: read once, when the parts are built."""
+
+    @property
+    def queue_name(self) -> str: ...
+    @property
+    def additional_streams(self) -> Mapping[str, str | int]: ...
+    @property
+    def consumer_group_name(self) -> str: ...
+    @property
+    def consumer_name(self) -> str: ...
+    @property
+    def consumer_id(self) -> str: ...
+    @property
+    def mkstream(self) -> bool: ...
+    @property
+    def block(self) -> int: ...
+    @property
+    def maxlen(self) -> int | None: ...
+    @property
+    def approximate(self) -> bool: ...
+    @property
+    def result_backend(self) -> AsyncResultBackend[Any]: ...
+
+
+class AtomicParts:
+    """The collaborators of one atomic broker."""
+
+    def __init__(
+        self,
+        broker: ParentFields,
+        settings: ClaimSettings,
+        connection: Connection,
+        read_count: int | None,
+    ) -> None:
+        """The one constructor body of the three brokers, after the
+        parent's: ``read_count`` is ``xread_count`` (the Cluster and
+        Sentinel parents keep none)."""
+        queue_name = broker.queue_name
+        additional_streams = dict(broker.additional_streams)
+        group = broker.consumer_group_name
+        consumer = broker.consumer_name
+        self.settings = settings
+        self.streams = [queue_name, *additional_streams]
+        self.metrics = ReclaimMetrics()
+        self.scripts = ScriptRunner(
+            on_reload=functools.partial(self.metrics.add, "script_reloads", "*")
+        )
+        self.schedule = ClaimSchedule(self.streams, settings)
+        # Delivered to this consumer and not yet acked: what the heartbeat
+        # keeps from being reclaimed, and what shutdown hands back. The
+        # result backend is looked up when a dead letter is written: the app
+        # may set it after building the broker.
+        self.in_flight = EntryLifecycle(
+            self.scripts,
+            group,
+            consumer,
+            settings,
+            self.metrics,
+            DeadLetterResults(lambda: broker.result_backend),
+            stand_aside=self.schedule.stand_aside,
+            connect=connection.connect,
+        )
+        self.connection = connection
+        before_call = self.connection.before_call
+        positions = GroupPositions()
+        self.path = PathChoice(
+            self.scripts, consumer, additional_streams, settings.delete_acked
+        )
+        self.claims = ScriptClaims(
+            self.scripts,
+            self.schedule,
+            self.in_flight,
+            self.metrics,
+            group,
+            consumer,
+            read_count,
+            per_slot=self.connection.per_slot,
+            before_call=before_call,
+        )
+        self.reads = GroupReads(
+            group,
+            consumer,
+            broker.block,
+            read_count,
+            settings.idle_timeout,
+            positions,
+            before_call=before_call,
+        )
+        self.groups = ConsumerGroups(
+            self.streams, group, broker.consumer_id, broker.mkstream, positions
+        )
+        self.checks = StartupChecks(
+            self.connection,
+            self.scripts,
+            self.path,
+            self.streams,
+            group,
+            positions,
+            settings.delete_acked,
+        )
+        self.heartbeat = Heartbeat(
+            self.in_flight,
+            self.scripts,
+            self.connection.connect,
+            settings,
+            self.streams,
+            group,
+            consumer,
+        )
+        self.kicker = Kicker(
+            self.scripts,
+            self.connection.connect,
+            queue_name,
+            broker.maxlen,
+            broker.approximate,
+            settings,
+        )
+        self.listener = Listener(
+            connection=self.connection,
+            scripts=self.scripts,
+            settings=settings,
+            metrics=self.metrics,
+            in_flight=self.in_flight,
+            schedule=self.schedule,
+            claims=self.claims,
+            lua_reads=LuaPathReads(self.reads, self.schedule),
+            native_reads=NativePathReads(
+                self.reads, self.schedule, self.scripts, self.in_flight, self.metrics
+            ),
+            path=self.path,
+            groups=self.groups,
+            heartbeat=self.heartbeat,
+            read_from={queue_name: ">", **additional_streams},
+            group=group,
+            consumer=consumer,
+        )
+
+    def listen(self, broker: AsyncBroker) -> AsyncGenerator[AckableMessage, None]:
+        return self.listener.listen(broker)
+
+    async def declare_groups(self) -> None:
+        """Startup (the parent's ``_declare_consumer_group``): create the
+        groups where missing, never after accepted tasks no worker has seen."""
+        async with self.connection.setup_client() as client:
+            await self.groups.declare(
+                client, wait_out_outages=self.connection.waits_out_startup
+            )
+
+    async def startup(self, parent_startup: Callable[[], Awaitable[None]]) -> None:
+        """The parent's startup (it declares the groups), then the checks."""
+        await parent_startup()
+        await self.checks.run()
+
+    async def shutdown(self, parent_shutdown: Callable[[], Awaitable[None]]) -> None:
+        """Hand back what no task runs; after the app's shutdown handlers
+        (tasks run on through them), give back the rest and delete this
+        consumer if it owns nothing pending (``Heartbeat.finish_shutdown``);
+        then close what those calls reopened after the parent closed it."""
+        await self.heartbeat.hand_back()
+        try:
+            await parent_shutdown()
+        finally:
+            try:
+                await self.heartbeat.finish_shutdown()
+            finally:
+                await self.connection.close()

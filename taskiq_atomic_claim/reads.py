@@ -1,0 +1,123 @@
+"""One consumer's XREADGROUP (``GroupReads``), and the Lua path's read step
+(``LuaPathReads``): new entries only, never blocking past the next claim.
+
+Where reads reclaim (Redis >= 8.4) the same read carries ``CLAIM``; that
+path's step is in ``native_reads.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from taskiq_atomic_claim.claim_schedule import BeforeCall, ClaimSchedule, no_check
+from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
+
+# (stream, entry id, fields, maybe reclaimed)
+ReadEntry = tuple[str, str, dict[Any, Any], bool]
+
+
+class GroupReads:
+    """XREADGROUP as one consumer of its group, bounded by the claim schedule."""
+
+    def __init__(
+        self,
+        group: str,
+        consumer: str,
+        block_ms: int,
+        count: int | None,
+        idle_timeout_ms: int,
+        positions: GroupPositions,
+        *,
+        before_call: BeforeCall = no_check,
+    ) -> None:
+        self.group = group
+        self.consumer = consumer
+        self.block_ms = block_ms
+        self.count = count
+        self.idle_timeout_ms = idle_timeout_ms
+        self.positions = positions
+        # Sentinel: claims can be minutes apart (idle_timeout / 4 by
+        # default); reads, at least every xread_block, check for a replaced
+        # master too.
+        self.before_call = before_call
+
+    async def read(
+        self,
+        client: Any,
+        read_from: dict[str, Any],
+        next_claim: float,
+        *,
+        claim: bool = False,
+        block: bool = True,
+    ) -> list[ReadEntry]:
+        """New entries; with ``claim`` (Redis >= 8.4) idle pending entries
+        first, taken over by the read itself. Without ``block`` it returns
+        at once."""
+        await self.before_call(client)
+        # Never block past the next claim: reclaim must not wait for traffic.
+        until = max(1, int((next_claim - time.monotonic()) * 1000))
+        block_ms = (
+            (min(self.block_ms, until) if self.block_ms else until) if block else None
+        )
+        extra = {"claim_min_idle_time": self.idle_timeout_ms} if claim else {}
+        fetched: Any = await client.xreadgroup(
+            self.group,
+            self.consumer,
+            read_from,
+            block=block_ms,
+            count=self.count,
+            **extra,
+        )
+        read = read_entries(fetched)
+        for stream, entry_id, _, _ in read:
+            self.positions.advance(stream, entry_id)
+        return read
+
+
+class LuaPathReads:
+    """The Lua path's read step: new entries until the next claim at most."""
+
+    def __init__(self, reads: GroupReads, schedule: ClaimSchedule) -> None:
+        self.reads = reads
+        self.schedule = schedule
+
+    async def step(
+        self, client: Any, read_from: dict[str, Any]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """One bounded read: until the next claim at most."""
+        until = self.schedule.next_claim
+        read = await within(
+            max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
+            self.reads.read(client, read_from, until),
+        )
+        return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
+
+
+def read_entries(fetched: Any) -> list[ReadEntry]:
+    """An XREADGROUP reply as (stream, id, fields, maybe reclaimed), whatever
+    its shape: RESP2 pairs or a RESP3 map (which redis-py wraps in one more
+    list), entries of (id, fields) or, read with CLAIM, (id, fields, idle ms,
+    delivery count), where new entries carry 0, 0. An entry without those
+    two (a redis-py that drops them) counts as maybe reclaimed."""
+    pairs = fetched.items() if isinstance(fetched, dict) else fetched or []
+    read = []
+    for stream, listed in pairs:
+        entries = listed
+        if listed and isinstance(listed[0], list) and _is_entry_list(listed[0]):
+            entries = listed[0]
+        for entry in entries:
+            fields = entry[1] if len(entry) > 1 else None
+            if not isinstance(fields, dict):
+                flat = list(fields or [])
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            reclaimed = len(entry) < 4 or int(entry[2]) > 0 or int(entry[3]) > 0
+            read.append((text(stream), text(entry[0]), fields, reclaimed))
+    return read
+
+
+def _is_entry_list(value: list[Any]) -> bool:
+    """A list of entries (each a list or tuple), not one entry (id first)."""
+    return not value or isinstance(value[0], list | tuple)

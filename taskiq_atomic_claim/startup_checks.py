@@ -1,0 +1,88 @@
+"""What a worker checks at startup, before it reads: the stream keys' types,
+that its user runs scripts, the server features its settings need, and the
+server settings that lose tasks (``durability``, warnings only)."""
+
+from __future__ import annotations
+
+import logging
+
+from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.durability import warn_about_durability
+from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.reclaim_path import PathChoice
+from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_errors import UNREACHABLE, is_outage
+from taskiq_atomic_claim.stream_setup import require_stream_type
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+
+class StartupChecks:
+    """The checks of one broker's start, in order."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        scripts: ScriptRunner,
+        path: PathChoice,
+        streams: list[str],
+        group: str,
+        positions: GroupPositions,
+        delete_acked: bool,
+    ) -> None:
+        self.connection = connection
+        self.scripts = scripts
+        self.path = path
+        self.streams = streams
+        self.group = group
+        self.positions = positions
+        self.delete_acked = delete_acked
+
+    async def run(self) -> None:
+        """Every check; where the broker waits out a server unreachable at
+        startup (Sentinel, Cluster), the listen loop does instead of the
+        worker's start failing."""
+        try:
+            await self.check_stream_types()
+            await self.require_scripting()
+        except Exception as error:
+            if not (self.connection.waits_out_startup and is_outage(error)):
+                raise
+            logger.warning(
+                "Stream keys and scripting not checked at start-up: %s", error
+            )
+            return await self.check_durability()
+        await self.check_server_features()
+        await self.check_durability()
+
+    async def check_stream_types(self) -> None:
+        """Fail at startup, naming the key, if a stream key holds another type."""
+        async with self.connection.connect() as client:
+            for stream in self.streams:
+                await require_stream_type(client, stream)
+
+    async def require_scripting(self) -> None:
+        """Refuse, saying why, a server that runs no scripts for this
+        connection; else every ack would fail."""
+        async with self.connection.connect() as client:
+            server = await self.connection.require_scripting(self.scripts, client)
+        self.path.learned(server)
+
+    async def check_server_features(self) -> None:
+        """Refuse, naming the server, what it cannot do."""
+        if not self.delete_acked:
+            return
+        async with self.connection.connect() as client:
+            server = await self.path.learn_server(client)
+        server.require_acked_deletion()
+
+    async def check_durability(self) -> None:
+        """Remember where the groups are, and warn about server settings
+        that lose tasks. Never fails the start."""
+        try:
+            async with self.connection.connect() as client:
+                await self.positions.learn(client, self.streams, self.group)
+                for where, server in self.connection.servers(client):
+                    await warn_about_durability(server, where)
+        except UNREACHABLE as error:
+            logger.debug("Durability not checked at start-up: %s", error)
