@@ -43,7 +43,7 @@ async def test_an_idle_workers_start_costs_its_task_no_turn_of_the_loop(
         async def start(delivered: object) -> list[str]:
             """As the receiver's callback does, with another callback
             ready to run beside it."""
-            broker.in_flight.loaded(delivered.data)  # type: ignore[attr-defined]
+            broker.atomic.in_flight.loaded(delivered.data)  # type: ignore[attr-defined]
             recorder = next(
                 m for m in broker.middlewares if isinstance(m, StartRecorder)
             )
