@@ -88,6 +88,11 @@ SLOWLOG_LEN = 128
 _T = TypeVar("_T")
 
 
+# Logged beside a claim's calls: our own reads of the log, and the handshake
+# of a connection the pool opened for the claim (slowlog-log-slower-than 0).
+_NOT_THE_CALLS = ("SLOWLOG", "HELLO", "CLIENT", "AUTH", "SELECT")
+
+
 class Timings:
     """Each call's time on the server, by operation, from the slow log."""
 
@@ -131,7 +136,7 @@ class Timings:
             entry
             for entry in reversed(logged)
             if int(entry["id"]) > after
-            and not text(entry["command"]).upper().startswith("SLOWLOG")
+            and not text(entry["command"]).upper().startswith(_NOT_THE_CALLS)
         ]
         scripts = [
             i
