@@ -179,7 +179,7 @@ class Mode:
     hotpath_reps: int = 3
     hotpath_rt_tasks: int = 3000
     hotpath_light: int = 200
-    # Mass recovery (issue 14 part 2): orphans left by dead consumers, a live
+    # Mass recovery: orphans left by dead consumers, a live
     # fleet of workers x slots running tasks of task_s, new tasks kicked at a
     # steady rate; each broker's run is cut at mass_cap_s.
     mass_orphans: int = 20_000
@@ -220,8 +220,7 @@ class Mode:
     def mass_large_batch(self) -> int:
         """The large-batch fleet's unacknowledged_batch_size: one worker's
         share of the orphans, so within a few claims every worker holds a
-        hoard and none is left to read new tasks: the case issue 14 measured
-        (10,000 of 200k). 10,000 of 20k would leave two of four workers free
+        hoard and none is left to read new tasks (10,000 of 200k). 10,000 of 20k would leave two of four workers free
         to take every new task."""
         return max(1, self.mass_orphans // self.mass_workers)
 

@@ -1,4 +1,4 @@
-"""Part: what an idle fleet costs the server (issue 14, part 3).
+"""Part: what an idle fleet costs the server.
 
 ``workers`` brokers, each listening on the same ``streams`` streams (the
 queue plus ``additional_streams``), nothing ever sent. Each worker is the

@@ -1,6 +1,6 @@
 """Part: mass recovery. A fleet drains what dead consumers left, new work flows.
 
-The scene (issue 14, part 2): ``orphans`` entries were read by
+The scene: ``orphans`` entries were read by
 ``dead_consumers`` consumers that then died without acking; ``workers`` live
 workers with ``slots`` concurrent tasks each run tasks that sleep ``task_s``.
 A producer kicks new tasks at a steady ``new_per_s`` while the fleet drains.

@@ -24,7 +24,7 @@ async def within(seconds: float, awaitable: Awaitable[_T]) -> _T:
     """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``.
 
     Runs in the calling task where Python allows (3.11+): ``wait_for``'s
-    extra task was seen to leave killed pool connections to the next caller.
+    extra task can leave killed pool connections to the next caller.
     """
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):

@@ -1,4 +1,4 @@
-"""When and how much the listen loop claims (issue 14): one call for several
+"""When and how much the listen loop claims: one call for several
 streams, a full batch claimed again at once, claims bounded by what the
 worker reads, a backlog shared by the fleet, non-holders waiting out the
 lease they were told about. Counts, never timings, decide."""
