@@ -14,7 +14,7 @@ import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from taskiq import AckableMessage, AsyncBroker
+from taskiq import AckableMessage, AsyncBroker, BrokerMessage
 from taskiq.abc.result_backend import AsyncResultBackend
 
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule, ScriptClaims
@@ -203,3 +203,33 @@ class AtomicParts:
                 await self.heartbeat.finish_shutdown()
             finally:
                 await self.connection.close()
+
+
+class AtomicBroker(AsyncBroker):
+    """taskiq's broker interface answered by the broker's ``AtomicParts``.
+
+    First among each atomic broker's bases, before its taskiq-redis parent:
+    these methods win, and the parent's own startup and shutdown run inside
+    ours (``super()`` is that parent)."""
+
+    atomic: AtomicParts
+
+    @property
+    def metrics(self) -> ReclaimMetrics:
+        """What this broker counted (``metrics.snapshot()``)."""
+        return self.atomic.metrics
+
+    async def _declare_consumer_group(self) -> None:
+        await self.atomic.declare_groups()
+
+    async def startup(self) -> None:
+        await self.atomic.startup(super().startup)
+
+    async def shutdown(self) -> None:
+        await self.atomic.shutdown(super().shutdown)
+
+    async def kick(self, message: BrokerMessage) -> None:
+        await self.atomic.kicker.kick(message)
+
+    def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        return self.atomic.listen(self)

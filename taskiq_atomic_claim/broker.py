@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
-from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamBroker
 
-from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.atomic_parts import AtomicBroker, AtomicParts
 from taskiq_atomic_claim.connection import Connection
-from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
     DEFAULT_KICK_PATIENCE_S,
@@ -22,7 +19,7 @@ from taskiq_atomic_claim.settings import (
 )
 
 
-class AtomicRedisStreamBroker(RedisStreamBroker):
+class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
     """A drop-in ``RedisStreamBroker`` whose reclaim runs on its own schedule.
 
     Every ``claim_interval`` ms, whether or not new messages arrive, each
@@ -130,26 +127,6 @@ class AtomicRedisStreamBroker(RedisStreamBroker):
             StandaloneConnection(self.connection_pool, queue_name),
             xread_count,
         )
-
-    @property
-    def metrics(self) -> ReclaimMetrics:
-        """What this broker counted (``metrics.snapshot()``)."""
-        return self.atomic.metrics
-
-    async def _declare_consumer_group(self) -> None:
-        await self.atomic.declare_groups()
-
-    async def startup(self) -> None:
-        await self.atomic.startup(super().startup)
-
-    async def shutdown(self) -> None:
-        await self.atomic.shutdown(super().shutdown)
-
-    async def kick(self, message: BrokerMessage) -> None:
-        await self.atomic.kicker.kick(message)
-
-    def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        return self.atomic.listen(self)
 
 
 class StandaloneConnection(Connection):

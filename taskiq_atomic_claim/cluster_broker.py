@@ -13,15 +13,14 @@ constructor checks that for every stream.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 from redis.asyncio import RedisCluster
-from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamClusterBroker
 
-from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.atomic_parts import AtomicBroker, AtomicParts
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.cluster_client import (
     OneNodeClient,
@@ -30,7 +29,6 @@ from taskiq_atomic_claim.cluster_client import (
 )
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import (
     ServerInfo,
@@ -46,7 +44,7 @@ from taskiq_atomic_claim.settings import (
 )
 
 
-class AtomicRedisStreamClusterBroker(RedisStreamClusterBroker):
+class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
     """A drop-in ``RedisStreamClusterBroker`` that reclaims, as
     ``AtomicRedisStreamBroker`` does on a single server.
 
@@ -164,26 +162,6 @@ class AtomicRedisStreamClusterBroker(RedisStreamClusterBroker):
             ClusterConnection(self.redis, queue_name),
             xread_count,
         )
-
-    @property
-    def metrics(self) -> ReclaimMetrics:
-        """What this broker counted (``metrics.snapshot()``)."""
-        return self.atomic.metrics
-
-    async def _declare_consumer_group(self) -> None:
-        await self.atomic.declare_groups()
-
-    async def startup(self) -> None:
-        await self.atomic.startup(super().startup)
-
-    async def shutdown(self) -> None:
-        await self.atomic.shutdown(super().shutdown)
-
-    async def kick(self, message: BrokerMessage) -> None:
-        await self.atomic.kicker.kick(message)
-
-    def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        return self.atomic.listen(self)
 
 
 class ClusterConnection(Connection):

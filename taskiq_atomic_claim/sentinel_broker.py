@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -35,12 +35,10 @@ from redis.asyncio.connection import SSLConnection
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from taskiq import AckableMessage, BrokerMessage
 from taskiq_redis import RedisStreamSentinelBroker
 
-from taskiq_atomic_claim.atomic_parts import AtomicParts
+from taskiq_atomic_claim.atomic_parts import AtomicBroker, AtomicParts
 from taskiq_atomic_claim.connection import Connection
-from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.server_errors import UNREACHABLE, Fault, classify
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
@@ -91,7 +89,7 @@ class MasterFollowingSSLConnection(MasterFollowingConnection, SSLConnection):
 
 # The parent annotates additional_streams as dict[str, str], the loop as
 # dict[str, str | int] (what XREADGROUP takes): the same object either way.
-class AtomicRedisStreamSentinelBroker(RedisStreamSentinelBroker):
+class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
     """A drop-in ``RedisStreamSentinelBroker`` that reclaims, as
     ``AtomicRedisStreamBroker`` does on a single server, and follows the
     master across failovers."""
@@ -195,26 +193,6 @@ class AtomicRedisStreamSentinelBroker(RedisStreamSentinelBroker):
             ),
             xread_count,
         )
-
-    @property
-    def metrics(self) -> ReclaimMetrics:
-        """What this broker counted (``metrics.snapshot()``)."""
-        return self.atomic.metrics
-
-    async def _declare_consumer_group(self) -> None:
-        await self.atomic.declare_groups()
-
-    async def startup(self) -> None:
-        await self.atomic.startup(super().startup)
-
-    async def shutdown(self) -> None:
-        await self.atomic.shutdown(super().shutdown)
-
-    async def kick(self, message: BrokerMessage) -> None:
-        await self.atomic.kicker.kick(message)
-
-    def listen(self) -> AsyncGenerator[AckableMessage, None]:
-        return self.atomic.listen(self)
 
 
 class SentinelConnection(Connection):
