@@ -220,8 +220,8 @@ class Mode:
     def mass_large_batch(self) -> int:
         """The large-batch fleet's unacknowledged_batch_size: one worker's
         share of the orphans, so within a few claims every worker holds a
-        hoard and none is left to read new tasks (10,000 of 200k). 10,000 of 20k would leave two of four workers free
-        to take every new task."""
+        hoard and none is left to read new tasks (10,000 of 200k). 10,000 of
+        20k would leave two of four workers free to take every new task."""
         return max(1, self.mass_orphans // self.mass_workers)
 
 
