@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from taskiq import TaskiqMiddleware
 
+from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 
@@ -84,15 +84,21 @@ class GroupGauges:
         }
 
 
+# The reads below go through ``execute_command`` under the names redis-py's
+# own ``xlen``, ``xinfo_groups``... send, so its reply parsers still apply:
+# every broker's client has ``execute_command`` (Cluster's
+# ``SlotRoutedClient`` routes these by key), not every one has those methods.
+
+
 async def pending_idle_by_consumer(
-    client: Redis, stream: str, group: str, pending: int
+    client: ScriptClient, stream: str, group: str, pending: int
 ) -> tuple[dict[str, int], int]:
     """Per consumer, the idle ms of its longest-idle pending entry among the
     first ``PEL_SCAN_LIMIT`` of the PEL; and how many entries were read."""
     if not pending:
         return {}, 0
-    scanned = await client.xpending_range(
-        stream, group, min="-", max="+", count=PEL_SCAN_LIMIT
+    scanned = await client.execute_command(
+        "XPENDING", stream, group, "-", "+", PEL_SCAN_LIMIT, parse_detail=True
     )
     oldest: dict[str, int] = {}
     for entry in scanned:
@@ -102,22 +108,25 @@ async def pending_idle_by_consumer(
     return oldest, len(scanned)
 
 
-async def read_group_gauges(client: Redis, stream: str, group: str) -> GroupGauges:
+async def read_group_gauges(
+    client: ScriptClient, stream: str, group: str
+) -> GroupGauges:
     """The gauges of one (stream, group), read from the server: a handful of
     calls whatever the size of the stream (XINFO CONSUMERS lists every
     consumer, the PEL is read up to ``PEL_SCAN_LIMIT``)."""
-    keys = StreamKeys(stream, group)
-    dead = int(await client.xlen(keys.dead_letters))
-    if text(await client.type(stream)) != "stream":
+    call = client.execute_command
+    dead = int(await call("XLEN", StreamKeys(stream, group).dead_letters))
+    if text(await call("TYPE", stream)) != "stream":
         return GroupGauges(0, None, 0, None, 0, None, dead)
-    length = int(await client.xlen(stream))
-    infos = {text(raw["name"]): raw for raw in await client.xinfo_groups(stream)}
+    length = int(await call("XLEN", stream))
+    infos = {text(raw["name"]): raw for raw in await call("XINFO GROUPS", stream)}
     info = infos.get(group)
     if info is None:
         return GroupGauges(length, None, 0, None, 0, None, dead)
     pending = int(info.get("pending", 0))
     oldest, _ = await pending_idle_by_consumer(client, stream, group, pending)
-    idles = [int(c.get("idle", 0)) for c in await client.xinfo_consumers(stream, group)]
+    consumers = await call("XINFO CONSUMERS", stream, group)
+    idles = [int(c.get("idle", 0)) for c in consumers]
     lag = info.get("lag")
     return GroupGauges(
         length=length,
@@ -253,12 +262,20 @@ class ServerGauges(TaskiqMiddleware):
             started = time.monotonic()
             try:
                 await self.refresh()
-            except (RedisError, OSError) as error:
-                # The gauges keep their last values; the next round retries.
-                # One line when it starts failing, one when it reads again.
+            except Exception as error:
+                # The gauges keep their last values; the next round retries:
+                # a failure nobody foresaw must not end the readings for the
+                # worker's life. One line when it starts failing (with the
+                # traceback when it is not the server's or the network's),
+                # one when it reads again.
                 problem = f"{type(error).__name__}: {error}"
                 if problem != self._problem:
-                    logger.warning("server gauges not read: %s", problem)
+                    expected = isinstance(error, (RedisError, OSError))
+                    logger.warning(
+                        "server gauges not read: %s",
+                        problem,
+                        exc_info=None if expected else error,
+                    )
                 self._problem = problem
             else:
                 if self._problem is not None:
