@@ -17,6 +17,7 @@ from taskiq.utils import maybe_awaitable
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode
 from taskiq_atomic_claim.stream_setup import StreamTypeError
 from tests.conftest import Server, server_command
@@ -370,7 +371,8 @@ async def library_loads(redis: Redis, functions: bool) -> int:
 async def test_concurrent_calls_after_a_flush_reload_the_library_once(
     server: Server, redis: Redis
 ) -> None:
-    # Every ack in flight sees the library missing at once.
+    # Every script call in flight sees the library missing at once; the
+    # acks (plain commands) need no library and land regardless.
     tasks = 40
     broker = await started(server, consumer_name="alive")
     try:
@@ -386,11 +388,26 @@ async def test_concurrent_calls_after_a_flush_reload_the_library_once(
         if server.info.functions:
             await server_command(redis, "FUNCTION", "FLUSH")
         await redis.config_resetstat()
+
+        async def heartbeat_call() -> None:
+            async with broker.atomic.connection.connect() as client:
+                await broker.atomic.scripts.run(
+                    client,
+                    set_idle_call(
+                        stream="taskiq",
+                        group="taskiq",
+                        consumer="alive",
+                        idle_ms=0,
+                        entry_ids=["0-1"],
+                    ),
+                )
+
         await asyncio.gather(
-            *(maybe_awaitable(m.ack()) for m in delivered[1:] if m is not None)
+            *(heartbeat_call() for _ in range(tasks)),
+            *(maybe_awaitable(m.ack()) for m in delivered[1:] if m is not None),
         )
         loads = await library_loads(redis, server.info.functions)
-        print(f"\n{tasks - 1} concurrent acks after a flush: {loads} library loads")
+        print(f"\n{tasks} concurrent script calls after a flush: {loads} loads")
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
         assert loads == 1
         assert broker.atomic.scripts.reloads == 1
