@@ -84,7 +84,9 @@ BARE_READ = "XAUTOCLAIM"
 # The claim's second call: the XCLAIM that fetches the claimed entries.
 CLAIM_FETCH = "claim's XCLAIM (fields)"
 # Slow-log entries read after a claim: its nested commands and its XCLAIMs.
-SLOWLOG_LEN = 128
+# Room for the longest call: a start of SCRIPT_BATCH ids is that many
+# HINCRBYs and a PEXPIRE, each logged on its own.
+SLOWLOG_LEN = 2048
 _T = TypeVar("_T")
 
 
