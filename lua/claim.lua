@@ -9,7 +9,8 @@
   KEYS[5i+3]  cursor key             coordination: XAUTOCLAIM cursor, always expires
   KEYS[5i+4]  dead-letter stream     data, never given an expiry
   KEYS[5i+5]  started hash           coordination, always expires: entry id ->
-                                     starts not followed by an ack (start.lua)
+                                     starts not followed by an ack
+                                     (task_records.py)
 
   ARGV[1]  group
   ARGV[2]  consumer                  the claimer, recorded as lease holder
@@ -24,7 +25,7 @@
                                      that never started do not count.
   ARGV[7]  delete_acked              "1": dead-lettered entries are acked with
                                      XACKDEL ... ACKED (Redis >= 8.2), as
-                                     ack.lua acks; anything else: XACK only
+                                     a task's ack; anything else: XACK only
   ARGV[8+i]  counts                  XAUTOCLAIM COUNT for stream i
 
   Returns one reply per stream, in KEYS order, each one of

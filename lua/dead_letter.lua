@@ -14,7 +14,8 @@
   ARGV[4]  delete_acked              "1": ack with XACKDEL ... ACKED (Redis
                                      >= 8.2), deleting the entry from the
                                      stream once no group still needs it, as
-                                     ack.lua does; anything else: XACK only
+                                     a task's ack does (task_records.py);
+                                     anything else: XACK only
   ARGV[5]  deliveries                optional: the count to record as its
                                      deliveries (the start count, when it
                                      goes for max_deliveries); else the PEL's

@@ -11,10 +11,10 @@ every transition, from its read to its ack or its other ends.
   name here (``unknown_task``);
 - started: about to run (``starting``); a task that crashed workers before
   waits for its turn (``suspects.py``), then the start is recorded on the
-  server (``start.lua``) so that a worker dying now counts toward
+  server (``task_records.py``) so that a worker dying now counts toward
   ``max_deliveries``;
 - and then one of:
-  - acked: forgotten here and on the server (``ack.lua``; ``tracked_ack``);
+  - acked: forgotten here and on the server (``task_records.py``; ``tracked_ack``);
   - declined: its task unknown here, handed back for a worker that knows it
     (``decline``);
   - dead-lettered: in place of its ack (``dead_letter``; when, and why, is

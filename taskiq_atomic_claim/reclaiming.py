@@ -138,7 +138,7 @@ class Listener:
                     self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     try:
-                        message = await self._deliverable(
+                        message = await self.in_flight.deliverable(
                             client, stream, entry_id, fields
                         )
                     except Exception as error:
@@ -210,15 +210,8 @@ class Listener:
     def _begin_listening(self, broker: AsyncBroker) -> None:
         """What a new listen() (one new connection) starts from."""
         self.metrics.declare(self.groups.streams)
-        self._track_starts(broker)
+        # Learn from taskiq's receiver when each entry's task starts.
+        hook_receiver(broker, self.in_flight)
         self.heartbeat.start()
         self.schedule.begin()
         self.path.begin()
-
-    def _track_starts(self, broker: AsyncBroker) -> None:
-        hook_receiver(broker, self.in_flight)
-
-    async def _deliverable(
-        self, client: Any, stream: str, entry_id: str, fields: dict[Any, Any]
-    ) -> AckableMessage | None:
-        return await self.in_flight.deliverable(client, stream, entry_id, fields)

@@ -14,7 +14,7 @@ the server several times the commands it runs (measured in
   dead-letters an entry once it has max_deliveries of them. Out of memory
   (``maxmemory``, ``noeviction``) the server refuses the whole transaction
   (HINCRBY may grow memory): the task runs anyway, its start uncounted, as
-  ``in_flight`` logs.
+  ``entry_lifecycle`` logs.
 - ack: ``XACK <stream> <group> <id>..`` (with delete_acked ``XACKDEL <stream>
   <group> ACKED IDS <n> <id>..``, Redis >= 8.2: the entry is deleted once
   no group still needs it), then ``HDEL <started> <id>..``. Not atomic, and

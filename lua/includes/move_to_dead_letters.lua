@@ -1,7 +1,7 @@
 -- move_to_dead_letters(stream, dead_letters, group, id, fields, deliveries, reason,
 --                      delete_acked)
 -- Copies one entry, with where it came from and why, to the dead-letter
--- stream and acks it from the group, as ack.lua does: with delete_acked
+-- stream and acks it from the group, as a task's ack does: with delete_acked
 -- (XACKDEL ... ACKED) the original is deleted once no group still needs it,
 -- else it stays in its stream (other groups may still need it). The copy is
 -- written first, in the same script: nothing is deleted without a record.
