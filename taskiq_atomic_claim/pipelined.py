@@ -95,7 +95,7 @@ def _transaction_outcome(replies: list[Any]) -> Any:
     if not isinstance(executed, list):
         raise RedisConnectionError(f"unexpected EXEC reply {executed!r}")
     _raise_any(executed)
-    return len(executed) - 1
+    return None  # a start's callers need only know it was not refused
 
 
 def _ack_outcome(replies: list[Any]) -> Any:
