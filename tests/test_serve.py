@@ -51,6 +51,15 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 TASK = "reports.send_weekly"
+# Counts, over ``ms`` milliseconds of live refreshes, the times the page
+# held no dead-letter row after holding some.
+BLANKED_ROWS = """ms => new Promise(done => {
+  let blanked = 0;
+  const rows = () => document.querySelectorAll("tr[data-letter]").length;
+  const watch = new MutationObserver(() => { if (rows() === 0) blanked += 1; });
+  watch.observe(document.body, {childList: true, subtree: true});
+  setTimeout(() => { watch.disconnect(); done(blanked); }, ms);
+})"""
 
 
 def chromium_or_skip() -> str:
@@ -228,6 +237,11 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             )
             if server.major >= 7:
                 await expect(group.locator('[data-k="lag"]')).to_have_text("0")
+            # A redraw keeps what is on screen until the new reading is in:
+            # no refresh blanks the dead letters, even for a frame.
+            blanked = await page.evaluate(BLANKED_ROWS, 1500)
+            assert blanked == 0, f"dead letters blanked {blanked} times in 1.5 s"
+            await expect(page.locator("#age")).not_to_have_text("-")
             SCREENSHOT.parent.mkdir(exist_ok=True)
             await page.screenshot(path=str(SCREENSHOT), full_page=True)
 
