@@ -375,3 +375,36 @@ async def test_the_app_mounts_inside_another_starlette_app(
         running.should_exit = True
         await task
         await nobody.aclose()
+
+
+async def test_the_gauges_are_the_whole_groups_not_the_consumers_listed(
+    redis: Redis, queue: str
+) -> None:
+    # --consumers bounds the consumers the page lists (those holding most);
+    # the gauges count every one, and the last read is whoever read last,
+    # listed or not.
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    await asyncio.sleep(0.5)
+    await redis.xadd(queue, {"data": b"{}"})
+    await redis.xreadgroup(GROUP, "worker-live", {queue: ">"}, count=1)
+    reader = create_app(redis, streams=[queue], consumer_limit=1).state.reader
+    [group] = (await reader.latest()).streams[0].groups
+    assert [c.name for c in group.consumers] == ["worker-dead"]
+    registry = reader.metrics()[0]
+    labels = {"stream": queue, "group": GROUP}
+
+    def gauge(name: str) -> float:
+        value = registry.get_sample_value(f"taskiq_atomic_claim_{name}", labels)
+        assert value is not None, name
+        return float(value)
+
+    idle = {
+        text(c["name"]): int(c["idle"])
+        for c in await redis.xinfo_consumers(queue, GROUP)
+    }
+    assert idle["worker-dead"] >= 500
+    assert gauge("consumers") == 2
+    assert gauge("last_read_age_seconds") * 1000 <= idle["worker-live"]
+    assert group.last_read_idle_ms is not None
+    assert group.last_read_idle_ms <= idle["worker-live"]
