@@ -23,6 +23,12 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from taskiq import (
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqMessage,
+    TaskiqResult,
+)
 from taskiq.exceptions import SendTaskError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker, UncertainKickError
@@ -285,6 +291,48 @@ async def test_a_second_kick_with_the_same_task_id(
     if server.info.idempotent_add:
         info = await redis.xinfo_stream(queue)
         assert info["idmp-duration"] == 100  # idempotency_window's default
+
+
+@pytest.mark.parametrize(
+    "retry",
+    [
+        SimpleRetryMiddleware(default_retry_count=3),
+        SmartRetryMiddleware(default_retry_count=3, default_delay=0),
+    ],
+    ids=["simple", "smart"],
+)
+async def test_a_retry_middlewares_kick_is_enqueued_on_every_server(
+    server: Server, redis: Redis, retry: SimpleRetryMiddleware | SmartRetryMiddleware
+) -> None:
+    # taskiq's retry middlewares kick a failed task again with its own task
+    # id (with_task_id) and the retry's number in label _retries: a new
+    # kick, which idempotency must not take for a resend of the first.
+    queue = "kicks-retried"
+    broker = AtomicRedisStreamBroker(server.url, queue_name=queue)
+    retry.set_broker(broker)
+    task = broker.register_task(lambda: None, task_name="flaky")
+    try:
+        await task.kicker().with_task_id("flaky-1").kiq()
+        failed = TaskiqResult(is_err=True, return_value=None, execution_time=0.1)
+        # The first run failed; the same retry sent twice (a resend) is one.
+        for _ in range(2):
+            first = TaskiqMessage(
+                task_id="flaky-1",
+                task_name="flaky",
+                labels={"retry_on_error": True},
+                args=[],
+                kwargs={},
+            )
+            await retry.on_error(first, failed, RuntimeError("flaky"))
+    finally:
+        await broker.shutdown()
+    entries = await server_command(redis, "XRANGE", queue, "-", "+")
+    retries = [
+        broker.formatter.loads(bytes(dict(fields)[b"data"])).labels.get("_retries")
+        for _, fields in entries
+    ]
+    expected = [None, "1"] if server.info.idempotent_add else [None, "1", "1"]
+    assert retries == expected
 
 
 async def test_a_resend_after_maxlen_trimmed_its_entry(
