@@ -145,6 +145,7 @@ class PipelinedCalls:
         self._connecting: asyncio.Task[None] | None = None
         self._awaiting: collections.deque[_Batch] = collections.deque()
         self._reader: asyncio.Task[None] | None = None
+        self._reader_due = False
         self._connection: Any = None
 
     @property
@@ -322,7 +323,19 @@ class PipelinedCalls:
         else:
             # The kernel's buffer is full: written once it took the rest.
             asyncio.create_task(self._drained(connection, batches))  # noqa: RUF006
-        if self._reader is None or self._reader.done():
+        if not self._reader_due and (self._reader is None or self._reader.done()):
+            # Started after this turn: the writer (a task about to start)
+            # does not pay for creating it.
+            self._reader_due = True
+            asyncio.get_running_loop().call_soon(self._start_reader)
+
+    def _start_reader(self) -> None:
+        self._reader_due = False
+        connection = self._connection
+        # What is owed is owed on the current connection (a lost one failed
+        # its calls), and a reader still running reads it.
+        idle = self._reader is None or self._reader.done()
+        if self._awaiting and connection is not None and idle:
             self._reader = asyncio.create_task(self._read(connection))
 
     async def _drained(self, connection: Any, batches: list[_Batch]) -> None:
