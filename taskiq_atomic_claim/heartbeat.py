@@ -144,7 +144,7 @@ class Heartbeat:
         no task runs; leave tasks still running to be reclaimed an
         idle_timeout after their last beat, when this process is long gone,
         their interruption not counted; delete this consumer if it owns
-        nothing pending."""
+        nothing pending, and the group's idle consumers that own nothing."""
         await self.stop()
         held = self.in_flight.deliveries()
         running = [d for d in held if d.running()]
