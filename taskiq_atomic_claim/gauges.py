@@ -88,6 +88,58 @@ class GroupGauges:
 # own ``xlen``, ``xinfo_groups``... send, so its reply parsers still apply:
 # every broker's client has ``execute_command`` (Cluster's
 # ``SlotRoutedClient`` routes these by key), not every one has those methods.
+# ``inspect`` and ``serve`` read through them too: one reading, one rule for
+# each number, whoever shows it.
+
+
+@dataclass(frozen=True)
+class StreamReading:
+    type: str  # TYPE of the key: "stream", "none", ...
+    length: int  # 0 unless a stream
+    groups: dict[str, dict[str, Any]]  # XINFO GROUPS, by group name
+
+
+@dataclass(frozen=True)
+class ConsumerReading:
+    name: str
+    pending: int
+    idle_ms: int
+    oldest_pending_idle_ms: int | None
+
+
+@dataclass(frozen=True)
+class GroupReading:
+    """One reading of a consumer group (``exists`` False: the stream has no
+    such group; its dead letters are still counted)."""
+
+    exists: bool
+    pending: int
+    last_delivered_id: str | None
+    lag: int | None
+    pel_scanned: int
+    consumers: list[ConsumerReading]  # every one of the group's
+    dead_letters: int
+
+    @property
+    def oldest_pending_idle_ms(self) -> int | None:
+        idles = [c.oldest_pending_idle_ms for c in self.consumers]
+        known = [idle for idle in idles if idle is not None]
+        return max(known) if known else None
+
+    @property
+    def last_read_idle_ms(self) -> int | None:
+        """Since the most recently active consumer talked to the server."""
+        return min(c.idle_ms for c in self.consumers) if self.consumers else None
+
+
+async def read_stream(client: ScriptClient, stream: str) -> StreamReading:
+    call = client.execute_command
+    kind = text(await call("TYPE", stream))
+    if kind != "stream":
+        return StreamReading(kind, 0, {})
+    length = int(await call("XLEN", stream))
+    infos = {text(raw["name"]): raw for raw in await call("XINFO GROUPS", stream)}
+    return StreamReading(kind, length, infos)
 
 
 async def pending_idle_by_consumer(
@@ -108,35 +160,64 @@ async def pending_idle_by_consumer(
     return oldest, len(scanned)
 
 
+def _optional_text(value: Any) -> str | None:
+    return None if value is None else text(value)
+
+
+async def read_group(
+    client: ScriptClient, stream: str, group: str, info: dict[str, Any] | None
+) -> GroupReading:
+    """The group ``info`` (its XINFO GROUPS entry, None when absent)
+    describes: a handful of calls whatever the size of the stream (XINFO
+    CONSUMERS lists every consumer, the PEL is read up to
+    ``PEL_SCAN_LIMIT``)."""
+    call = client.execute_command
+    dead = int(await call("XLEN", StreamKeys(stream, group).dead_letters))
+    if info is None:
+        return GroupReading(False, 0, None, None, 0, [], dead)
+    pending = int(info.get("pending", 0))
+    oldest, scanned = await pending_idle_by_consumer(client, stream, group, pending)
+    consumers = [
+        ConsumerReading(
+            name=text(raw["name"]),
+            pending=int(raw.get("pending", 0)),
+            idle_ms=int(raw.get("idle", 0)),
+            oldest_pending_idle_ms=oldest.get(text(raw["name"])),
+        )
+        for raw in await call("XINFO CONSUMERS", stream, group)
+    ]
+    lag = info.get("lag")
+    return GroupReading(
+        exists=True,
+        pending=pending,
+        last_delivered_id=_optional_text(info.get("last-delivered-id")),
+        lag=None if lag is None else int(lag),
+        pel_scanned=scanned,
+        consumers=consumers,
+        dead_letters=dead,
+    )
+
+
+def group_gauges(stream: StreamReading, group: GroupReading) -> GroupGauges:
+    """The gauges of one reading: the only place they are computed."""
+    return GroupGauges(
+        length=stream.length,
+        lag=group.lag,
+        pending=group.pending,
+        oldest_pending_idle_ms=group.oldest_pending_idle_ms,
+        consumers=len(group.consumers),
+        last_read_idle_ms=group.last_read_idle_ms,
+        dead_letters=group.dead_letters,
+    )
+
+
 async def read_group_gauges(
     client: ScriptClient, stream: str, group: str
 ) -> GroupGauges:
-    """The gauges of one (stream, group), read from the server: a handful of
-    calls whatever the size of the stream (XINFO CONSUMERS lists every
-    consumer, the PEL is read up to ``PEL_SCAN_LIMIT``)."""
-    call = client.execute_command
-    dead = int(await call("XLEN", StreamKeys(stream, group).dead_letters))
-    if text(await call("TYPE", stream)) != "stream":
-        return GroupGauges(0, None, 0, None, 0, None, dead)
-    length = int(await call("XLEN", stream))
-    infos = {text(raw["name"]): raw for raw in await call("XINFO GROUPS", stream)}
-    info = infos.get(group)
-    if info is None:
-        return GroupGauges(length, None, 0, None, 0, None, dead)
-    pending = int(info.get("pending", 0))
-    oldest, _ = await pending_idle_by_consumer(client, stream, group, pending)
-    consumers = await call("XINFO CONSUMERS", stream, group)
-    idles = [int(c.get("idle", 0)) for c in consumers]
-    lag = info.get("lag")
-    return GroupGauges(
-        length=length,
-        lag=None if lag is None else int(lag),
-        pending=pending,
-        oldest_pending_idle_ms=max(oldest.values()) if oldest else None,
-        consumers=len(idles),
-        last_read_idle_ms=min(idles) if idles else None,
-        dead_letters=dead,
-    )
+    """The gauges of one (stream, group), read from the server."""
+    found = await read_stream(client, stream)
+    reading = await read_group(client, stream, group, found.groups.get(group))
+    return group_gauges(found, reading)
 
 
 def next_gap(interval: float, took: float) -> float:

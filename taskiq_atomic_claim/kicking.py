@@ -5,9 +5,12 @@ On Redis >= 8.6 every XADD carries the task id as its idempotency id
 (``IDMP producer-id task-id``): a resend with the same ids, by this retry or
 by a caller kicking again with the same task id (taskiq's ``with_task_id``),
 adds nothing and answers the first entry's id, for ``idempotency_window``
-seconds. The producer id is one of ``PRODUCER_SHARDS`` names picked by a hash
-of the task id, so every process names the same task the same way, and the
-stream remembers up to ``PRODUCER_SHARDS`` x ``IDMP_MAXSIZE`` task ids (Redis
+seconds. taskiq's retry middlewares kick a failed task again with its task
+id and the retry's number in label ``_retries``: a new kick, not a resend,
+so that number is part of the idempotency id (``idempotency_id``). The
+producer id is one of ``PRODUCER_SHARDS`` names picked by a hash of the
+task id, so every process names the same task the same way, and the stream
+remembers up to ``PRODUCER_SHARDS`` x ``IDMP_MAXSIZE`` task ids (Redis
 keeps at most ``IDMP_MAXSIZE`` per producer id).
 
 Elsewhere (older Redis, Valkey) a resend cannot be told apart, so only a
@@ -54,9 +57,25 @@ class UncertainKickError(RuntimeError):
     cannot tell a resend apart: retrying could enqueue the task twice."""
 
 
+# The label taskiq's SimpleRetryMiddleware and SmartRetryMiddleware number
+# their kicks of a failed task with (1, 2, ...); the first kick has none.
+RETRY_LABEL = "_retries"
+
+
 def producer_id(task_id: str) -> str:
     """The IDMP producer id for ``task_id``: the same in every process."""
     return f"tac{zlib.crc32(task_id.encode()) % PRODUCER_SHARDS}"
+
+
+def idempotency_id(message: BrokerMessage) -> str:
+    """The IDMP id of a kick: its task id, and the retry's number for a
+    retry middleware's kick (after a NUL, which taskiq's task ids, uuid4
+    hex, never hold), so a retry is enqueued and a resend of the same kick
+    is not."""
+    retry = message.labels.get(RETRY_LABEL)
+    if retry is None:
+        return message.task_id
+    return f"{message.task_id}\0{retry}"
 
 
 class Kicker:
@@ -133,7 +152,11 @@ class Kicker:
                 options.append("ACKED")
             if server.idempotent_add:
                 await self._set_idempotency(client, stream, server)
-                options += ["IDMP", producer_id(message.task_id), message.task_id]
+                options += [
+                    "IDMP",
+                    producer_id(message.task_id),
+                    idempotency_id(message),
+                ]
                 attempt.idempotent = True
             if self.maxlen is not None:
                 options += ["MAXLEN", "~" if self.approximate else "=", self.maxlen]

@@ -44,8 +44,9 @@ from taskiq_atomic_claim.task_records import (
     Command,
     ack_command,
     acked_count,
+    count_start_command,
     forget_command,
-    start_commands,
+    start_upkeep_commands,
 )
 
 # Acked entries' start counts are deleted together: at this many per
@@ -59,6 +60,9 @@ ACK_BATCH = 8
 ACK_AFTER_S = 0.002
 
 
+_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+
+
 class _Call:
     __slots__ = ("entry_id", "reply", "written")
 
@@ -69,19 +73,22 @@ class _Call:
 
 
 class _Batch:
-    """Calls of one write sent as one set of commands, answered together."""
+    """Calls of one write sent as one set of commands (``packed``, RESP,
+    ``replies`` of them), answered together."""
 
-    __slots__ = ("answered", "calls", "commands", "outcome")
+    __slots__ = ("answered", "calls", "outcome", "packed", "replies")
 
     def __init__(
         self,
         calls: list[_Call],
-        commands: list[Command],
+        packed: bytes,
+        replies: int,
         outcome: Callable[[list[Any]], Any],
         answered: Callable[[], None] = lambda: None,
     ) -> None:
         self.calls = calls
-        self.commands = commands
+        self.packed = packed
+        self.replies = replies
         # The calls' reply from the commands' replies (an exception among
         # them raised).
         self.outcome = outcome
@@ -95,7 +102,7 @@ def _transaction_outcome(replies: list[Any]) -> Any:
     if not isinstance(executed, list):
         raise RedisConnectionError(f"unexpected EXEC reply {executed!r}")
     _raise_any(executed)
-    return len(executed) - 1
+    return None  # a start's callers need only know it was not refused
 
 
 def _ack_outcome(replies: list[Any]) -> Any:
@@ -120,6 +127,11 @@ class PipelinedCalls:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.pool = getattr(client, "connection_pool", None)
+        self._encoder = None if self.pool is None else self.pool.get_encoder()
+        # Per (started hash, ttl): its transaction's end, the same for every
+        # start of it, packed once (a start is on every task's path).
+        self._start_ends: dict[tuple[str, int], tuple[bytes, int]] = {}
+        self._count_frames: dict[str, tuple[bytes, bytes]] = {}
         # Starts first in a write (see _batches): by target, then the entry.
         self._starts: dict[tuple[str, int], list[_Call]] = {}
         self._acks: dict[tuple[str, str, str, bool], list[_Call]] = {}
@@ -183,16 +195,18 @@ class PipelinedCalls:
         # written, so within one write no ack precedes its own start.
         batches = []
         for (started, ttl_ms), calls in self._starts.items():
-            ids = [call.entry_id for call in calls]
-            commands = [("MULTI",), *start_commands(started, ttl_ms, ids), ("EXEC",)]
-            batches.append(_Batch(calls, commands, _transaction_outcome))
+            end, end_replies = self._start_end(started, ttl_ms)
+            counts = self._pack_counts(started, [call.entry_id for call in calls])
+            packed = b"".join((_MULTI, counts, end))
+            replies = 1 + len(calls) + end_replies  # MULTI's, each QUEUED, EXEC's
+            batches.append(_Batch(calls, packed, replies, _transaction_outcome))
         self._starts = {}
         if self._acks_due:
             for (stream, started, group, delete_acked), calls in self._acks.items():
                 ids = [call.entry_id for call in calls]
-                command = ack_command(stream, group, ids, delete_acked)
+                packed = self._pack([ack_command(stream, group, ids, delete_acked)])
                 answered = functools.partial(self._forget_later, started, ids)
-                batches.append(_Batch(calls, [command], _ack_outcome, answered))
+                batches.append(_Batch(calls, packed, 1, _ack_outcome, answered))
             self._acks, self._ack_count, self._acks_due = {}, 0, False
             if self._ack_timer is not None:
                 self._ack_timer.cancel()
@@ -202,10 +216,48 @@ class PipelinedCalls:
         for started, ids in list(self._acked.items()):
             if self._forget_due or len(ids) >= FORGET_BATCH:
                 del self._acked[started]
-                command = forget_command(started, ids)
-                batches.append(_Batch([], [command], _forget_outcome))
+                packed = self._pack([forget_command(started, ids)])
+                batches.append(_Batch([], packed, 1, _forget_outcome))
         self._forget_due = False
         return batches
+
+    def _start_end(self, started: str, ttl_ms: int) -> tuple[bytes, int]:
+        """The start transaction's end, packed, and how many replies it has."""
+        end = self._start_ends.get((started, ttl_ms))
+        if end is None:
+            commands = [*start_upkeep_commands(started, ttl_ms), ("EXEC",)]
+            end = self._start_ends[(started, ttl_ms)] = (
+                self._pack(commands),
+                len(commands),
+            )
+        return end
+
+    def _pack_counts(self, started: str, entry_ids: list[str]) -> bytes:
+        """Each entry's ``count_start_command``, packed: only the id differs
+        from one to the next."""
+        around = self._count_frames.get(started)
+        if around is None:
+            head, _, tail = self._pack([count_start_command(started, "")]).rpartition(
+                b"$0\r\n\r\n"
+            )
+            around = self._count_frames[started] = (head, tail)
+        head, tail = around
+        return b"".join(
+            b"%s$%d\r\n%s\r\n%s" % (head, len(data), data, tail)
+            for data in (entry_id.encode() for entry_id in entry_ids)
+        )
+
+    def _pack(self, commands: list[Command]) -> bytes:
+        """RESP for ``commands``: short arguments only (ids, keys, numbers),
+        so one buffer, without redis-py's chunking of large values."""
+        encode = self._encoder.encode  # type: ignore[union-attr]
+        out = []
+        for command in commands:
+            out.append(b"*%d\r\n" % len(command))
+            for argument in command:
+                data = encode(argument)
+                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        return b"".join(out)
 
     def _forget_later(self, started: str, ids: list[str]) -> None:
         self._acked.setdefault(started, []).extend(ids)
@@ -252,7 +304,7 @@ class PipelinedCalls:
             self._write(connection, batches)
 
     def _write(self, connection: Any, batches: list[_Batch]) -> None:
-        packed = _pack(connection.encoder, batches)
+        packed = b"".join(batch.packed for batch in batches)
         transport = connection._writer.transport
         try:
             connection._writer.write(packed)
@@ -330,7 +382,7 @@ class PipelinedCalls:
         for _ in range(count):
             batch = self._awaiting[0]
             replies = []
-            for _ in batch.commands:
+            for _ in range(batch.replies):
                 try:
                     # No deadline per reply: one per batch (_read).
                     replies.append(await connection.read_response(timeout=math.inf))
@@ -370,19 +422,6 @@ class PipelinedCalls:
             # Disconnected before it goes back: what it still owes is unknown.
             await connection.disconnect(nowait=True)
             await pool.release(connection)
-
-
-def _pack(encoder: Any, batches: list[_Batch]) -> bytes:
-    """RESP for the batches' commands: short arguments only (ids, keys,
-    numbers), so one buffer, without redis-py's chunking of large values."""
-    out = []
-    for batch in batches:
-        for command in batch.commands:
-            out.append(b"*%d\r\n" % len(command))
-            for argument in command:
-                data = encoder.encode(argument)
-                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 def _alive(connection: Any) -> bool:

@@ -6,8 +6,15 @@ Every task pays these two, so they are not scripts: a function call costs
 the server several times the commands it runs (measured in
 ``benchmarks/hotpath_ops.py``).
 
-- start: ``HINCRBY <started> <id> 1`` per entry, then ``PEXPIRE <started>
-  <ttl_ms>``, in one ``MULTI``/``EXEC``. The started hash is coordination:
+- start: ``HINCRBY <started> <id> 1`` per entry, then ``HSETNX <started>
+  <KEEP_HASHTABLE_FIELD> ..`` and ``PEXPIRE <started> <ttl_ms>``, in one
+  ``MULTI``/``EXEC``. The HSETNX keeps one value longer than the server's
+  ``hash-max-listpack-value`` (64 bytes by default) in the hash, so the
+  server keeps it a hash table: a listpack hash is scanned end to end by
+  every HINCRBY, and this one holds every running entry's count and those
+  acked but not yet forgotten (measured on Redis 7.0 at 64 in flight:
+  HINCRBY 5.0 us in a listpack, 1.2 us in a hash table). The field is no
+  entry id, so nothing reads it as a count. The started hash is coordination:
   it never exists without an expiry, even if the client dies mid-write (the
   server discards a transaction whose ``EXEC`` never came). A start not
   followed by an ack (or a hand-back) is a crash while running: the claim
@@ -31,13 +38,35 @@ from typing import Any
 
 Command = tuple[str | int, ...]
 
+# Not an entry id (those are <ms>-<seq>); its value says why it is there
+# and is longer than any hash-max-listpack-value a server is likely set to.
+KEEP_HASHTABLE_FIELD = "keep-hashtable"
+KEEP_HASHTABLE_VALUE = (
+    "this field's value is longer than hash-max-listpack-value, so the server"
+    " keeps this hash a hash table: a start's HINCRBY takes O(1) time"
+).ljust(160, ".")
+
 
 def start_commands(
     started: str, ttl_ms: int, entry_ids: Sequence[str]
 ) -> list[Command]:
-    """The start's commands, to run between MULTI and EXEC."""
+    """The start's commands, to run between MULTI and EXEC: a count per
+    entry, then the hash's upkeep (the same for every start of the hash)."""
     return [
-        *(("HINCRBY", started, entry_id, 1) for entry_id in entry_ids),
+        *(count_start_command(started, entry_id) for entry_id in entry_ids),
+        *start_upkeep_commands(started, ttl_ms),
+    ]
+
+
+def count_start_command(started: str, entry_id: str) -> Command:
+    return ("HINCRBY", started, entry_id, 1)
+
+
+def start_upkeep_commands(started: str, ttl_ms: int) -> list[Command]:
+    """After the counts, in the same transaction: the hash stays a hash
+    table and never outlives its expiry."""
+    return [
+        ("HSETNX", started, KEEP_HASHTABLE_FIELD, KEEP_HASHTABLE_VALUE),
         ("PEXPIRE", started, ttl_ms),
     ]
 

@@ -85,7 +85,7 @@ async def test_entry_whose_task_crashed_too_often_is_dead_lettered_atomically(
     assert dead.reason == MAX_DELIVERIES_EXCEEDED
     assert dead.fields == {b"data": b"\x00poison"}
     assert await redis.pttl(KEYS.dead_letters) == -1, "dead letters are data"
-    assert await redis.exists(KEYS.started) == 0, "its start count went with it"
+    assert not await redis.hexists(KEYS.started, poison), "its count went with it"
 
 
 async def test_deliveries_that_never_started_never_count(redis: Redis) -> None:

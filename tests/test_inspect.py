@@ -37,6 +37,7 @@ GROUP_KEYS = [
     "pel_scanned",
     "pel_scan_complete",
     "consumer_count",
+    "last_read_idle_ms",
     "consumers",
     "lease",
     "cursor",

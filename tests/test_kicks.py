@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import signal
 import time
@@ -21,6 +22,13 @@ from typing import Any
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from taskiq import (
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqMessage,
+    TaskiqResult,
+)
 from taskiq.exceptions import SendTaskError
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker, UncertainKickError
@@ -49,6 +57,13 @@ _BINARIES = {binary.label: binary for binary in find_binaries()}
 KICK_SERVERS = ("redis-8.6.3", "redis-7.0.15")
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
 CONCURRENCY, AFTER_FAULT, MAX_KICKS = 8, 5, 5000
+# For a kick to a stopped server: its XADD times out after 1 s (reads block
+# less), and it is patient enough to be resent where that is safe.
+STALLED: dict[str, Any] = {
+    "kick_patience": 10,
+    "socket_timeout": 1.0,
+    "xread_block": 100,
+}
 
 
 def binary(label: str) -> ServerBinary:
@@ -64,8 +79,11 @@ def aof_server(request: pytest.FixtureRequest) -> Iterator[LocalServer]:
         yield server
 
 
-def idempotent(local: LocalServer) -> bool:
-    return local.binary.flavor == "redis" and local.binary.major >= 8
+def idempotent(binary: ServerBinary) -> bool:
+    """Whether the server has idempotent XADD (Redis >= 8.6), from its
+    version: not from the broker's own detection, which is under test."""
+    major, minor = (int(part) for part in binary.version.split(".")[:2])
+    return binary.flavor == "redis" and (major, minor) >= (8, 6)
 
 
 async def entries_per_task(url: str, stream: str) -> collections.Counter[str]:
@@ -139,6 +157,30 @@ async def kick_through(
     return accepted, failed, counts
 
 
+async def kick_past_maxlen(broker: Any, queue: str, url: str) -> list[str]:
+    """Kicks a, b, c, d, e with ``broker`` (maxlen 3, exact), then a again,
+    whose entry is trimmed by then; the broker is shut down. The letters
+    left in the stream."""
+    try:
+        for letter in [*"abcde", "a"]:
+            await broker.kick(message(letter, queue))
+    finally:
+        await broker.shutdown()
+    client = Redis.from_url(url)
+    try:
+        entries: list[Any] = await server_command(client, "XRANGE", queue, "-", "+")
+    finally:
+        await client.aclose()
+    return [bytes(dict(fields)[b"data"]).decode() for _, fields in entries]
+
+
+def left_after_maxlen(idempotent: bool) -> list[str]:
+    """What kick_past_maxlen leaves: MAXLEN trims (ACKED too: no group has
+    read these); the stream remembers a trimmed entry's task id, so where
+    the server has IDMP, resending it adds nothing."""
+    return ["c", "d", "e"] if idempotent else ["d", "e", "a"]
+
+
 def check_enqueued(
     counts: collections.Counter[str],
     accepted: dict[str, float],
@@ -158,8 +200,22 @@ def check_enqueued(
         assert not wrong, f"failures other than an uncertain kick: {wrong}"
 
 
+def kick_log(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str]]:
+    """The kicks' outage lines: (when one started, when one ended)."""
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "taskiq.atomic_claim" and r.getMessage().startswith("kicks:")
+    ]
+    started = [line for line in lines if "retrying" in line]
+    return started, [line for line in lines if "reachable again" in line]
+
+
 @bounded(90)
-async def test_kicks_ride_out_a_restart_with_aof(aof_server: LocalServer) -> None:
+async def test_kicks_ride_out_a_restart_with_aof(
+    aof_server: LocalServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
     queue = "kicks-restart"
     broker = AtomicRedisStreamBroker(aof_server.url, queue_name=queue, kick_patience=10)
 
@@ -174,7 +230,12 @@ async def test_kicks_ride_out_a_restart_with_aof(aof_server: LocalServer) -> Non
     )
     rode_out = [body for body, took in accepted.items() if took > 0.5]
     assert rode_out, "no kick was in flight during the restart"
-    check_enqueued(counts, accepted, failed, exactly_once=idempotent(aof_server))
+    check_enqueued(counts, accepted, failed, exactly_once=idempotent(aof_server.binary))
+    # One outage, however many kicks waited it out: one line each way.
+    started, ended = kick_log(caplog)
+    assert len(started) == 1, started
+    assert "a kick still failing after 10 s raises" in started[0]
+    assert len(ended) == 1, ended
 
 
 @bounded(60)
@@ -185,24 +246,22 @@ async def test_an_ambiguous_failure_is_resent_only_where_idempotent(
     # the kick times out not knowing whether it was added (it is, once the
     # server runs again).
     queue = "kicks-ambiguous"
-    broker = AtomicRedisStreamBroker(
-        aof_server.url,
-        queue_name=queue,
-        kick_patience=10,
-        socket_timeout=1.0,
-        xread_block=100,
-    )
+    broker = AtomicRedisStreamBroker(aof_server.url, queue_name=queue, **STALLED)
     await broker.kick(message("before", queue))
     assert aof_server.process is not None
     pid = aof_server.process.pid
     os.kill(pid, signal.SIGSTOP)
     try:
         kick = asyncio.create_task(broker.kick(message("stalled", queue)))
-        await asyncio.sleep(2.5)
+        # Until the XADD timed out: the kick raised, or waits to resend.
+        deadline = time.monotonic() + 10
+        while not (kick.done() or broker.atomic.kicker.backoff.failing):
+            assert time.monotonic() < deadline, "the stalled XADD never timed out"
+            await asyncio.sleep(0.02)
     finally:
         os.kill(pid, signal.SIGCONT)
     try:
-        if idempotent(aof_server):
+        if idempotent(aof_server.binary):
             await kick
         else:
             with pytest.raises(UncertainKickError, match="may have been added"):
@@ -215,12 +274,11 @@ async def test_an_ambiguous_failure_is_resent_only_where_idempotent(
     assert counts["stalled"] == 1, counts
 
 
-@pytest.mark.parametrize("maxlen", [None, 1000])
 async def test_a_second_kick_with_the_same_task_id(
-    server: Server, redis: Redis, maxlen: int | None
+    server: Server, redis: Redis
 ) -> None:
     queue = "kicks-twice"
-    broker = AtomicRedisStreamBroker(server.url, queue_name=queue, maxlen=maxlen)
+    broker = AtomicRedisStreamBroker(server.url, queue_name=queue)
     task = broker.register_task(lambda: None, task_name="twice")
     try:
         for _ in range(2):
@@ -235,6 +293,59 @@ async def test_a_second_kick_with_the_same_task_id(
         assert info["idmp-duration"] == 100  # idempotency_window's default
 
 
+@pytest.mark.parametrize(
+    "retry",
+    [
+        SimpleRetryMiddleware(default_retry_count=3),
+        SmartRetryMiddleware(default_retry_count=3, default_delay=0),
+    ],
+    ids=["simple", "smart"],
+)
+async def test_a_retry_middlewares_kick_is_enqueued_on_every_server(
+    server: Server, redis: Redis, retry: SimpleRetryMiddleware | SmartRetryMiddleware
+) -> None:
+    # taskiq's retry middlewares kick a failed task again with its own task
+    # id (with_task_id) and the retry's number in label _retries: a new
+    # kick, which idempotency must not take for a resend of the first.
+    queue = "kicks-retried"
+    broker = AtomicRedisStreamBroker(server.url, queue_name=queue)
+    retry.set_broker(broker)
+    task = broker.register_task(lambda: None, task_name="flaky")
+    try:
+        await task.kicker().with_task_id("flaky-1").kiq()
+        failed = TaskiqResult(is_err=True, return_value=None, execution_time=0.1)
+        # The first run failed; the same retry sent twice (a resend) is one.
+        for _ in range(2):
+            first = TaskiqMessage(
+                task_id="flaky-1",
+                task_name="flaky",
+                labels={"retry_on_error": True},
+                args=[],
+                kwargs={},
+            )
+            await retry.on_error(first, failed, RuntimeError("flaky"))
+    finally:
+        await broker.shutdown()
+    entries = await server_command(redis, "XRANGE", queue, "-", "+")
+    retries = [
+        broker.formatter.loads(bytes(dict(fields)[b"data"])).labels.get("_retries")
+        for _, fields in entries
+    ]
+    expected = [None, "1"] if server.info.idempotent_add else [None, "1", "1"]
+    assert retries == expected
+
+
+async def test_a_resend_after_maxlen_trimmed_its_entry(
+    server: Server, redis: Redis
+) -> None:
+    queue = "kicks-maxlen"
+    broker = AtomicRedisStreamBroker(
+        server.url, queue_name=queue, maxlen=3, approximate=False
+    )
+    left = await kick_past_maxlen(broker, queue, server.admin_url)
+    assert left == left_after_maxlen(server.info.idempotent_add)
+
+
 async def test_zero_patience_raises_at_once_as_taskiq_redis_does() -> None:
     broker = AtomicRedisStreamBroker(
         f"redis://127.0.0.1:{free_port()}", kick_patience=0
@@ -244,6 +355,31 @@ async def test_zero_patience_raises_at_once_as_taskiq_redis_does() -> None:
         await task.kiq()  # nothing listens on the port
     await broker.shutdown()
     assert broker.atomic.kicker.backoff.attempts == 0
+
+
+@bounded(30)
+async def test_a_kick_past_its_patience_raises_taskiqs_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
+    broker = AtomicRedisStreamBroker(
+        f"redis://127.0.0.1:{free_port()}", kick_patience=0.3
+    )
+    task = broker.register_task(lambda: None, task_name="nowhere")
+    try:
+        # Nothing listens on the port: three kicks retry, then each raises.
+        results = await asyncio.gather(
+            *(task.kiq() for _ in range(3)), return_exceptions=True
+        )
+    finally:
+        await broker.shutdown()
+    for result in results:
+        assert isinstance(result, SendTaskError), results
+        assert isinstance(result.__cause__, RedisConnectionError), result.__cause__
+    assert broker.atomic.kicker.backoff.attempts > 3, "the kicks never retried"
+    started, ended = kick_log(caplog)
+    assert len(started) == 1, started  # one outage, three kicks: one line
+    assert not ended
 
 
 @pytest.mark.parametrize(
@@ -257,14 +393,55 @@ async def test_zero_patience_raises_at_once_as_taskiq_redis_does() -> None:
         ("idempotency_window", 1.5),
     ],
 )
-def test_bad_kick_arguments_are_refused_naming_them(argument: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=argument):
-        AtomicRedisStreamBroker("redis://127.0.0.1:1", **{argument: value})
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: AtomicRedisStreamBroker("redis://127.0.0.1:1", **kw),
+        lambda **kw: AtomicRedisStreamSentinelBroker([("127.0.0.1", 1)], "m", **kw),
+        lambda **kw: AtomicRedisStreamClusterBroker("redis://127.0.0.1:1", **kw),
+    ],
+    ids=["standalone", "sentinel", "cluster"],
+)
+def test_bad_kick_arguments_are_refused_naming_them(
+    make: Callable[..., Any], argument: str, value: Any
+) -> None:
+    # At construction, before any connection (nothing listens on port 1).
+    with pytest.raises(ValueError, match=f"^{argument} must be .*, got {value!r}$"):
+        make(**{argument: value})
 
 
+@bounded(60)
+async def test_an_ambiguous_cluster_kick_is_sent_once_where_not_idempotent() -> None:
+    # redis-py's cluster client resends a command it routed itself after a
+    # timeout or a lost connection; a resent XADD without IDMP is a second
+    # entry. The kick must be sent once and raise instead.
+    with LocalCluster(need(binary_for(7), "Redis 7"), 1, 0) as cluster:
+        queue = "kicks-cluster-ambiguous"
+        broker = AtomicRedisStreamClusterBroker(
+            cluster.url, queue_name=queue, **STALLED
+        )
+        node = cluster.primaries[0].server
+        assert node.process is not None
+        try:
+            await broker.kick(message("before", queue))
+            os.kill(node.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(UncertainKickError, match="may have been added"):
+                    await broker.kick(message("stalled", queue))
+            finally:
+                os.kill(node.process.pid, signal.SIGCONT)
+        finally:
+            await broker.shutdown()
+        # Sent before the timeout, it was added once the server ran again.
+        counts = await entries_per_task(node.url, queue)
+        assert counts["stalled"] == 1, counts
+
+
+@pytest.mark.parametrize("major", [8, 7])
 @bounded(120)
-async def test_kicks_ride_out_a_sentinel_failover() -> None:
-    with LocalSentinels(need(binary_for(8), "Redis 8.6")) as setup:
+async def test_kicks_ride_out_a_sentinel_failover(major: int) -> None:
+    server_binary = need(binary_for(major), f"Redis {major}")
+    with LocalSentinels(server_binary) as setup:
         # Without it the old master takes writes until the sentinels demote
         # it, and drops them then: 64 of 300 accepted kicks were lost here.
         # With it, it refuses them (NOREPLICAS) once its replica left. (Set
@@ -298,15 +475,29 @@ async def test_kicks_ride_out_a_sentinel_failover() -> None:
             with SyncRedis(host=HOST, port=setup.replicas[0].port) as replica:
                 return bool(replica.info("replication")["slave_repl_offset"] >= written)
 
+        def master_url() -> str:
+            return f"redis://{HOST}:{setup.master_port()}"
+
         accepted, failed, counts = await kick_through(
-            broker, queue, failover, lambda: f"redis://{HOST}:{setup.master_port()}"
+            broker, queue, failover, master_url
         )
-        check_enqueued(counts, accepted, failed, exactly_once=True)
+        check_enqueued(counts, accepted, failed, exactly_once=idempotent(server_binary))
+        # maxlen (and ACKED on 8.6) beside IDMP, on the new master.
+        trimmed = AtomicRedisStreamSentinelBroker(
+            setup.addresses,
+            setup.master_name,
+            queue_name=f"{queue}-maxlen",
+            maxlen=3,
+            approximate=False,
+        )
+        left = await kick_past_maxlen(trimmed, f"{queue}-maxlen", master_url())
+        assert left == left_after_maxlen(idempotent(server_binary))
 
 
 @bounded(120)
 async def test_kicks_ride_out_a_cluster_failover() -> None:
-    with LocalCluster(need(binary_for(8), "Redis 8.6")) as cluster:
+    server_binary = need(binary_for(8), "Redis 8.6")
+    with LocalCluster(server_binary) as cluster:
         queue = "kicks-cluster"
         broker = AtomicRedisStreamClusterBroker(
             cluster.url, queue_name=queue, kick_patience=20
@@ -338,4 +529,12 @@ async def test_kicks_ride_out_a_cluster_failover() -> None:
         accepted, failed, counts = await kick_through(
             broker, queue, failover_and_resend, lambda: replica.server.url
         )
-        check_enqueued(counts, accepted, failed, exactly_once=True)
+        check_enqueued(counts, accepted, failed, exactly_once=idempotent(server_binary))
+        # maxlen (and ACKED) beside IDMP, in the queue's hash slot: on the
+        # promoted node.
+        bounded_queue = f"{{{queue}}}-maxlen"
+        trimmed = AtomicRedisStreamClusterBroker(
+            cluster.url, queue_name=bounded_queue, maxlen=3, approximate=False
+        )
+        left = await kick_past_maxlen(trimmed, bounded_queue, replica.server.url)
+        assert left == left_after_maxlen(idempotent(server_binary))

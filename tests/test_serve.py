@@ -34,6 +34,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
+from tests.test_cli import cli_in_process
 from tests.test_gauges import free_port
 from tests.test_oom import until
 
@@ -51,6 +52,15 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 TASK = "reports.send_weekly"
+# Counts, over ``ms`` milliseconds of live refreshes, the times the page
+# held no dead-letter row after holding some.
+BLANKED_ROWS = """ms => new Promise(done => {
+  let blanked = 0;
+  const rows = () => document.querySelectorAll("tr[data-letter]").length;
+  const watch = new MutationObserver(() => { if (rows() === 0) blanked += 1; });
+  watch.observe(document.body, {childList: true, subtree: true});
+  setTimeout(() => { watch.disconnect(); done(blanked); }, ms);
+})"""
 
 
 def chromium_or_skip() -> str:
@@ -215,6 +225,10 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             await expect(group.locator('[data-k="dead"]')).to_have_text(str(dead))
             consumers = group.locator("tr[data-consumer]")
             await expect(consumers).to_have_count(2)
+            listed = await redis.xinfo_consumers(queue, GROUP)
+            shown_consumers = group.locator('[data-k="consumers"]')
+            await expect(shown_consumers).to_have_text(str(len(listed)))
+            await expect(group.locator('[data-k="last-read"]')).to_contain_text("ago")
             dead_row = group.locator('tr[data-consumer="worker-dead"]')
             await expect(dead_row.locator('[data-k="pending"]')).to_have_text("3")
             letters = group.locator("tr[data-letter]")
@@ -228,6 +242,11 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             )
             if server.major >= 7:
                 await expect(group.locator('[data-k="lag"]')).to_have_text("0")
+            # A redraw keeps what is on screen until the new reading is in:
+            # no refresh blanks the dead letters, even for a frame.
+            blanked = await page.evaluate(BLANKED_ROWS, 1500)
+            assert blanked == 0, f"dead letters blanked {blanked} times in 1.5 s"
+            await expect(page.locator("#age")).not_to_have_text("-")
             SCREENSHOT.parent.mkdir(exist_ok=True)
             await page.screenshot(path=str(SCREENSHOT), full_page=True)
 
@@ -249,12 +268,37 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             await browser.close()
 
 
+def shape(value: Any) -> Any:
+    """A JSON document's keys, nested, without its values."""
+    if isinstance(value, dict):
+        return {key: shape(inner) for key, inner in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return None
+
+
 async def test_json_gauges_and_changes_are_guarded(
-    serve: Serve, redis: Redis, server: Server, queue: str
+    serve: Serve,
+    redis: Redis,
+    server: Server,
+    queue: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     keys = StreamKeys(queue, GROUP)
     state = serve.get("/api/state")
     assert state["format"] == 1 and state["page"]["changes"] is True
+    # inspect --json's document, in its format, plus the page's own part.
+    code, out, err = await cli_in_process(
+        capsys, "inspect", "--url", server.admin_url, "--queue", queue, "--json"
+    )
+    assert code == 0, err
+    inspected = json.loads(out)
+    assert shape(state) == {**shape(inspected), "page": shape(state["page"])}
+    assert state["streams"][0]["length"] == inspected["streams"][0]["length"]
+    # Bound to 127.0.0.1 only: another loopback address gets no answer.
+    port = serve.base.rpartition(":")[2]
+    with pytest.raises(urllib.error.URLError):
+        Serve(f"http://127.0.0.2:{port}").get("/api/state")
     [stream] = state["streams"]
     [group] = stream["groups"]
     assert (stream["length"], group["pending"], group["consumer_count"]) == (5, 3, 2)
@@ -295,21 +339,63 @@ async def test_json_gauges_and_changes_are_guarded(
     assert serve.post("/api/dead-letters/delete", target) == 200
     assert await redis.xlen(keys.dead_letters) == 1
 
-    # Thousands of consumers: the page lists a bounded number of them.
+    # Thousands of consumers and pending entries: the page lists a bounded
+    # number of consumers, reads a bounded part of the PEL, and asking
+    # often reads the server no more often.
     async with redis.pipeline(transaction=False) as pipe:
         for n in range(2000):
             pipe.xgroup_createconsumer(queue, GROUP, f"idle-{n:04d}")
+        for _ in range(3000):
+            pipe.xadd(queue, {"data": b"{}"})
         await pipe.execute()
-    read_only = start_serve(server.admin_url, "--queue", queue, "--consumers", "50")
+    await redis.xreadgroup(GROUP, "worker-busy", {queue: ">"}, count=3000)
+    read_only = start_serve(
+        server.admin_url, "--queue", queue, "--consumers", "50", "--refresh", "60"
+    )
     try:
         await ready(read_only)
+        before = await command_calls(redis)
+        for _ in range(20):
+            read_only.get("/api/state")
+            read_only.get("/metrics")
+        assert await command_calls(redis) == before, "read per request"
         [busy] = read_only.get("/api/state")["streams"][0]["groups"]
-        assert busy["consumer_count"] == 2002
+        assert (busy["consumer_count"], busy["pending"]) == (2003, 3003)
         assert len(busy["consumers"]) == 50
-        assert "worker-dead" in [c["name"] for c in busy["consumers"]]
+        assert (busy["pel_scanned"], busy["pel_scan_complete"]) == (1000, False)
+        assert {"worker-dead", "worker-busy"} <= {c["name"] for c in busy["consumers"]}
         assert read_only.post("/api/dead-letters/delete", target) == 403
     finally:
         stop(read_only)
+
+
+async def command_calls(redis: Redis) -> dict[str, int]:
+    """Calls per command the server has run, but for INFO itself."""
+    stats = await redis.info("commandstats")
+    return {
+        name: int(stat["calls"])
+        for name, stat in stats.items()
+        if name != "cmdstat_info"
+    }
+
+
+async def test_streams_are_discovered_once_a_minute_not_per_reading(
+    redis: Redis, queue: str
+) -> None:
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    reader = create_app(redis, refresh_s=60, discover_s=60).state.reader
+    await reader.latest()
+    first = await command_calls(redis)
+    for _ in range(3):
+        reader.expire()  # as after a change: the next ask reads again
+        await reader.latest()
+    again = await command_calls(redis)
+    assert again.get("cmdstat_scan") == first.get("cmdstat_scan")
+    groups = "cmdstat_xinfo|groups"
+    assert again[groups] == first[groups] + 3, "read once per ask after expire"
+    [shown] = (await reader.latest()).streams
+    assert shown.name == queue
 
 
 def test_allow_changes_needs_a_token(
@@ -361,3 +447,36 @@ async def test_the_app_mounts_inside_another_starlette_app(
         running.should_exit = True
         await task
         await nobody.aclose()
+
+
+async def test_the_gauges_are_the_whole_groups_not_the_consumers_listed(
+    redis: Redis, queue: str
+) -> None:
+    # --consumers bounds the consumers the page lists (those holding most);
+    # the gauges count every one, and the last read is whoever read last,
+    # listed or not.
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    await asyncio.sleep(0.5)
+    await redis.xadd(queue, {"data": b"{}"})
+    await redis.xreadgroup(GROUP, "worker-live", {queue: ">"}, count=1)
+    reader = create_app(redis, streams=[queue], consumer_limit=1).state.reader
+    [group] = (await reader.latest()).streams[0].groups
+    assert [c.name for c in group.consumers] == ["worker-dead"]
+    registry = reader.metrics()[0]
+    labels = {"stream": queue, "group": GROUP}
+
+    def gauge(name: str) -> float:
+        value = registry.get_sample_value(f"taskiq_atomic_claim_{name}", labels)
+        assert value is not None, name
+        return float(value)
+
+    idle = {
+        text(c["name"]): int(c["idle"])
+        for c in await redis.xinfo_consumers(queue, GROUP)
+    }
+    assert idle["worker-dead"] >= 500
+    assert gauge("consumers") == 2
+    assert gauge("last_read_age_seconds") * 1000 <= idle["worker-live"]
+    assert group.last_read_idle_ms is not None
+    assert group.last_read_idle_ms <= idle["worker-live"]

@@ -64,10 +64,12 @@ async def test_an_idle_workers_start_costs_its_task_no_turn_of_the_loop(
 
         assert await until(counted, 5)
         assert await redis.pttl(KEYS.started) > 0
+        # A listpack would be scanned by every start (see task_records).
+        assert await redis.object("encoding", KEYS.started) == b"hashtable"
         await maybe_awaitable(second.ack())
 
         async def forgotten() -> bool:
-            return not await redis.exists(KEYS.started)
+            return not await redis.hexists(KEYS.started, entry_id)
 
         # Acked counts go in bulk, at the latest FORGET_AFTER_S later.
         assert await until(forgotten, FORGET_AFTER_S + 5)

@@ -29,6 +29,7 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("pttl", "inside claim: lease lifetime"),
     ("pexpire", "inside claim: bound a lease written without expiry; start"),
     ("hincrby", "start; inside hand_back: count a task's starts"),
+    ("hsetnx", "start: the field that keeps the started hash a hash table"),
     ("hmget", "inside claim: start counts of the claimed entries"),
     ("hdel", "ack; inside claim, hand_back, dead_letter: forget a start count"),
     ("multi", "start: its count and the hash's expiry in one transaction"),
@@ -85,7 +86,8 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hmget +hdel +xgroup|delconsumer +xinfo|consumers +multi +exec
+    +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer +xinfo|consumers
+    +multi +exec
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;

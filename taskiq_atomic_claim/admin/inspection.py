@@ -21,7 +21,14 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from taskiq_atomic_claim.gauges import pending_idle_by_consumer
+from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.gauges import (
+    ConsumerReading,
+    GroupGauges,
+    group_gauges,
+    read_group,
+    read_stream,
+)
 from taskiq_atomic_claim.keys import PREFIX, StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, ScriptRunner
@@ -35,20 +42,8 @@ SCAN_DEADLINE_S = 30.0
 DEAD_LETTER_PREFIX = f"{PREFIX}:dead:"
 
 
-def _optional_text(value: Any) -> str | None:
-    return None if value is None else text(value)
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-@dataclass(frozen=True)
-class ConsumerView:
-    name: str
-    pending: int
-    idle_ms: int
-    oldest_pending_idle_ms: int | None
+# A consumer as read (gauges.py reads for inspect, serve and the gauges).
+ConsumerView = ConsumerReading
 
 
 @dataclass(frozen=True)
@@ -72,11 +67,13 @@ class GroupView:
     pel_scan_complete: bool
     # All of the group's; ``consumers`` may list fewer (``consumer_limit``).
     consumer_count: int
+    last_read_idle_ms: int | None  # the most recently active of all of them
     consumers: list[ConsumerView]
     lease: KeyView
     cursor: KeyView
     dead_letters_key: str
     dead_letters: int
+    gauges: GroupGauges  # the same reading, as the gauges export it
 
 
 @dataclass(frozen=True)
@@ -130,11 +127,11 @@ async def discover_streams(client: Redis) -> tuple[list[str], bool]:
     return sorted(found)[:MAX_STREAMS], True
 
 
-async def _key_view(client: Redis, key: str) -> KeyView:
-    value = await client.get(key)
+async def _key_view(client: ScriptClient, key: str) -> KeyView:
+    value = await client.execute_command("GET", key)
     if value is None:
         return KeyView(key, None, None)
-    ttl = int(await client.pttl(key))
+    ttl = int(await client.execute_command("PTTL", key))
     # -2: expired between the two calls; -1: no expiry (claim.lua never
     # leaves one, but something else might write the key).
     return KeyView(key, text(value), None if ttl == -2 else ttl)
@@ -150,79 +147,43 @@ def _first_consumers(
     return sorted(consumers, key=lambda c: c.name)
 
 
-async def _group_view(
-    client: Redis,
-    stream: str,
-    group: str,
-    info: dict[str, Any] | None,
-    consumer_limit: int | None = None,
-) -> GroupView:
-    keys = StreamKeys(stream, group)
-    lease = await _key_view(client, keys.lease)
-    cursor = await _key_view(client, keys.cursor)
-    dead = int(await client.xlen(keys.dead_letters))
-    if info is None:
-        return GroupView(
-            name=group,
-            exists=False,
-            pending=0,
-            last_delivered_id=None,
-            lag=None,
-            oldest_pending_idle_ms=None,
-            pel_scanned=0,
-            pel_scan_complete=True,
-            consumer_count=0,
-            consumers=[],
-            lease=lease,
-            cursor=cursor,
-            dead_letters_key=keys.dead_letters,
-            dead_letters=dead,
-        )
-    pending = int(info.get("pending", 0))
-    oldest, scanned = await pending_idle_by_consumer(client, stream, group, pending)
-    consumers = [
-        ConsumerView(
-            name=text(raw["name"]),
-            pending=int(raw.get("pending", 0)),
-            idle_ms=int(raw.get("idle", 0)),
-            oldest_pending_idle_ms=oldest.get(text(raw["name"])),
-        )
-        for raw in await client.xinfo_consumers(stream, group)
-    ]
-    return GroupView(
-        name=group,
-        exists=True,
-        pending=pending,
-        last_delivered_id=_optional_text(info.get("last-delivered-id")),
-        lag=_optional_int(info.get("lag")),
-        oldest_pending_idle_ms=max(oldest.values()) if oldest else None,
-        pel_scanned=scanned,
-        pel_scan_complete=scanned >= pending,
-        consumer_count=len(consumers),
-        consumers=_first_consumers(consumers, consumer_limit),
-        lease=lease,
-        cursor=cursor,
-        dead_letters_key=keys.dead_letters,
-        dead_letters=dead,
-    )
-
-
 async def inspect_stream(
-    client: Redis, stream: str, group: str | None, consumer_limit: int | None = None
+    client: ScriptClient,
+    stream: str,
+    group: str | None,
+    consumer_limit: int | None = None,
 ) -> StreamView:
-    kind = text(await client.type(stream))
-    infos: dict[str, dict[str, Any]] = {}
-    length = 0
-    if kind == "stream":
-        length = int(await client.xlen(stream))
-        for raw in await client.xinfo_groups(stream):
-            infos[text(raw["name"])] = raw
-    names = [group] if group is not None else sorted(infos)
-    groups = [
-        await _group_view(client, stream, name, infos.get(name), consumer_limit)
-        for name in names
-    ]
-    return StreamView(stream, kind, length, groups)
+    """One stream and its groups (only ``group`` when given), read through
+    ``execute_command`` alone: a Cluster's client reads it too."""
+    found = await read_stream(client, stream)
+    names = [group] if group is not None else sorted(found.groups)
+    groups = []
+    for name in names:
+        keys = StreamKeys(stream, name)
+        lease = await _key_view(client, keys.lease)
+        cursor = await _key_view(client, keys.cursor)
+        reading = await read_group(client, stream, name, found.groups.get(name))
+        groups.append(
+            GroupView(
+                name=name,
+                exists=reading.exists,
+                pending=reading.pending,
+                last_delivered_id=reading.last_delivered_id,
+                lag=reading.lag,
+                oldest_pending_idle_ms=reading.oldest_pending_idle_ms,
+                pel_scanned=reading.pel_scanned,
+                pel_scan_complete=reading.pel_scanned >= reading.pending,
+                consumer_count=len(reading.consumers),
+                last_read_idle_ms=reading.last_read_idle_ms,
+                consumers=_first_consumers(reading.consumers, consumer_limit),
+                lease=lease,
+                cursor=cursor,
+                dead_letters_key=keys.dead_letters,
+                dead_letters=reading.dead_letters,
+                gauges=group_gauges(found, reading),
+            )
+        )
+    return StreamView(stream, found.type, found.length, groups)
 
 
 async def inspect_server(

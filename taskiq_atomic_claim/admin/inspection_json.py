@@ -45,6 +45,8 @@ format 1; existing keys keep their names, types and meaning::
           "pel_scanned": 3,      # PEL entries read for the idle times
           "pel_scan_complete": true,  # false: idle times are lower bounds
           "consumer_count": 1,   # all of the group's consumers
+          "last_read_idle_ms": 120 | null,  # the least idle of all of them
+                                 # (null without consumers)
           "consumers": [{        # serve lists at most its --consumers of them
             "name": "worker-1",
             "pending": 2,
@@ -156,6 +158,7 @@ def inspection_to_json(
                         "pel_scanned": group.pel_scanned,
                         "pel_scan_complete": group.pel_scan_complete,
                         "consumer_count": group.consumer_count,
+                        "last_read_idle_ms": group.last_read_idle_ms,
                         "consumers": [
                             {
                                 "name": consumer.name,

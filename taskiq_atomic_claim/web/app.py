@@ -64,7 +64,6 @@ from taskiq_atomic_claim.admin.inspection_json import (
     inspection_to_json,
 )
 from taskiq_atomic_claim.gauges import (
-    GroupGauges,
     declare,
     forget,
     next_gap,
@@ -167,17 +166,7 @@ class Reader:
                     continue
                 seen.add((stream.name, group.name))
                 declare(families, stream.name, group.name)
-                idles = [c.idle_ms for c in group.consumers]
-                gauges = GroupGauges(
-                    length=stream.length,
-                    lag=group.lag,
-                    pending=group.pending,
-                    oldest_pending_idle_ms=group.oldest_pending_idle_ms,
-                    consumers=group.consumer_count,
-                    last_read_idle_ms=min(idles) if idles else None,
-                    dead_letters=group.dead_letters,
-                )
-                publish(families, stream.name, group.name, gauges)
+                publish(families, stream.name, group.name, group.gauges)
         for stream_name, group_name in self._published - seen:
             forget(families, stream_name, group_name)
         self._published = seen
