@@ -84,8 +84,8 @@ BARE_READ = "XAUTOCLAIM"
 # The claim's second call: the XCLAIM that fetches the claimed entries.
 CLAIM_FETCH = "claim's XCLAIM (fields)"
 # Slow-log entries read after a claim: its nested commands and its XCLAIMs.
-# Room for the longest call: a start of SCRIPT_BATCH ids is that many
-# HINCRBYs and a PEXPIRE, each logged on its own.
+# Room for the longest call: a start of SCRIPT_BATCH ids (the most one
+# call records) is that many HINCRBYs and a PEXPIRE, each logged on its own.
 SLOWLOG_LEN = 2048
 _T = TypeVar("_T")
 
@@ -244,11 +244,14 @@ async def recover(
             claim_streams(runner, client, [keys], ALIVE, settings)
         )
         ids = [entry.id for entry in outcome.entries]
-        if ids:
+        # Recorded SCRIPT_BATCH at a time: a worker starts tasks one by one,
+        # and a start of every id of a 10,000 batch outgrows the slow log.
+        for first in range(0, len(ids), SCRIPT_BATCH):
+            chunk = ids[first : first + SCRIPT_BATCH]
             await timings.commands(
                 "start",
-                [*(["HINCRBY"] * len(ids)), "PEXPIRE"],
-                record_starts(client, keys.started, MIN_STARTED_TTL_MS, ids),
+                [*(["HINCRBY"] * len(chunk)), "PEXPIRE"],
+                record_starts(client, keys.started, MIN_STARTED_TTL_MS, chunk),
             )
         held += ids
         if not outcome.full:

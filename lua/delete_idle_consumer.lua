@@ -1,7 +1,6 @@
 --[[
   delete_idle_consumer: delete a consumer of a group, only while it has
-  nothing pending (doctor --fix's idle-consumer fix, and a worker's own
-  consumer as it exits gracefully).
+  nothing pending (doctor --fix's idle-consumer fix).
 
   KEYS[1]  stream                    data
 
@@ -16,10 +15,6 @@
   it read in between from the PEL, and nothing would ever reclaim them.
 ]]
 
-local stream = KEYS[1]
-local group, consumer = ARGV[1], ARGV[2]
+--- @include "delete_if_empty"
 
-if #redis.call("XPENDING", stream, group, "-", "+", 1, consumer) > 0 then
-  return -1
-end
-return redis.call("XGROUP", "DELCONSUMER", stream, group, consumer)
+return delete_if_empty(KEYS[1], ARGV[1], ARGV[2])

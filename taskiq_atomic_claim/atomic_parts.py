@@ -192,8 +192,8 @@ class AtomicParts:
 
     async def shutdown(self, parent_shutdown: Callable[[], Awaitable[None]]) -> None:
         """Hand back what no task runs; after the app's shutdown handlers
-        (tasks run on through them), give back the rest and delete this
-        consumer if it owns nothing pending (``Heartbeat.finish_shutdown``);
+        (tasks run on through them), give back the rest and leave the group
+        (``Heartbeat.finish_shutdown``);
         then close what those calls reopened after the parent closed it."""
         await self.heartbeat.hand_back()
         try:

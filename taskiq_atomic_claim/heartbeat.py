@@ -16,7 +16,7 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
-from taskiq_atomic_claim.operations import delete_idle_consumer_call
+from taskiq_atomic_claim.operations import leave_group_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -144,7 +144,7 @@ class Heartbeat:
         no task runs; leave tasks still running to be reclaimed an
         idle_timeout after their last beat, when this process is long gone,
         their interruption not counted; delete this consumer if it owns
-        nothing pending."""
+        nothing pending, and the group's idle consumers that own nothing."""
         await self.stop()
         held = self.in_flight.deliveries()
         running = [d for d in held if d.running()]
@@ -159,8 +159,8 @@ class Heartbeat:
                 len(running),
                 self.settings.idle_timeout,
             )
-        if self._listened and not self.in_flight.deliveries():
-            await self._delete_own_consumer()
+        if self._listened:
+            await self._leave_group()
 
     async def _give_back(self, deliveries: list[Delivery], idle_ms: int) -> int:
         if not deliveries:
@@ -194,26 +194,30 @@ class Heartbeat:
             logger.info("Handed back %d unacked deliveries", handed)
         return handed
 
-    async def _delete_own_consumer(self) -> None:
+    async def _leave_group(self) -> None:
         """Remove this consumer from each stream's group where it owns
-        nothing pending (atomically checked): else every restart leaves one."""
+        nothing pending, and every other consumer owning nothing that has not
+        read for idle_timeout (atomically checked): else every restart that
+        exits owning entries (handed back, interrupted) leaves one."""
         for stream in self.streams:
             try:
                 async with self.connect() as client:
-                    kept = await within(
+                    own, others = await within(
                         REPLY_MARGIN_S,
                         self.scripts.run(
                             client,
-                            delete_idle_consumer_call(
+                            leave_group_call(
                                 stream=stream,
                                 group=self.group,
                                 consumer=self.consumer,
+                                min_idle_ms=self.settings.idle_timeout,
                             ),
                         ),
                     )
             except Exception as error:
                 # Housekeeping only: an outage, a group gone or a user without
-                # +xgroup|delconsumer leaves the consumer for doctor --fix.
+                # +xgroup|delconsumer or +xinfo|consumers leaves the consumers
+                # for doctor --fix.
                 logger.warning(
                     "Consumer %r not deleted from stream %r: %s",
                     self.consumer,
@@ -221,9 +225,17 @@ class Heartbeat:
                     error,
                 )
                 continue
-            if int(kept) == -1:
+            if int(own) == -1:
                 logger.info(
                     "Consumer %r kept on stream %r: it still owns pending entries",
                     self.consumer,
                     stream,
+                )
+            if int(others):
+                logger.info(
+                    "Deleted %d consumers of stream %r owning nothing pending,"
+                    " idle past idle_timeout (%d ms)",
+                    int(others),
+                    stream,
+                    self.settings.idle_timeout,
                 )

@@ -99,6 +99,12 @@ DEAD_LETTER: Operation[list[Any]] = Operation(
 DELETE_IDLE_CONSUMER: Operation[int] = Operation(
     "delete_idle_consumer", ("stream",), allow_oom=True
 )
+# [own, others]: own -1 when the caller's consumer still has pending entries,
+# else XGROUP DELCONSUMER's; others, how many idle empty ones went with it.
+# Frees memory.
+LEAVE_GROUP: Operation[list[Any]] = Operation(
+    "leave_group", ("stream",), allow_oom=True
+)
 # [next start, [dropped id, ...]]: pending entries whose data was gone.
 # Frees memory.
 DROP_TRIMMED: Operation[list[Any]] = Operation(
@@ -125,6 +131,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     DELETE_IDLE_CONSUMER,
     DROP_TRIMMED,
     HAND_BACK,
+    LEAVE_GROUP,
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
@@ -235,6 +242,12 @@ def delete_idle_consumer_call(
     *, stream: str, group: str, consumer: str
 ) -> OperationCall[int]:
     return OperationCall(DELETE_IDLE_CONSUMER, (stream,), (group, consumer))
+
+
+def leave_group_call(
+    *, stream: str, group: str, consumer: str, min_idle_ms: int
+) -> OperationCall[list[Any]]:
+    return OperationCall(LEAVE_GROUP, (stream,), (group, consumer, min_idle_ms))
 
 
 def drop_trimmed_call(

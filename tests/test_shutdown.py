@@ -92,6 +92,23 @@ def log_text(log_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
 
 
+async def queue_with(
+    server: Server, redis: Redis, prefix: str, runs: list[tuple[str, float, str]]
+) -> str:
+    """A fresh queue, its group at 0, and one task kicked per (run, seconds,
+    gate)."""
+    queue = f"taskiq-atomic-claim-{prefix}-{uuid.uuid4().hex[:8]}"
+    await redis.xgroup_create(queue, "taskiq", id="0", mkstream=True)
+    kicker = AtomicRedisStreamBroker(server.url, queue_name=queue)
+    try:
+        for run, seconds, until in runs:
+            kicked: AsyncKicker[Any, Any] = AsyncKicker(TASK, kicker, {})
+            await kicked.kiq(run, seconds, until)
+    finally:
+        await kicker.shutdown()
+    return queue
+
+
 async def test_shutdown_hands_back_only_what_no_task_runs(
     server: Server, redis: Redis, tmp_path: Path
 ) -> None:
@@ -100,22 +117,19 @@ async def test_shutdown_hands_back_only_what_no_task_runs(
     # shutdown handler that takes 2 s. Its tasks go on running through the
     # handler: the two short ones end there (acked), the two long ones are
     # still running when its shutdown ends. Worker b runs beside it.
-    queue = f"taskiq-atomic-claim-shutdown-{uuid.uuid4().hex[:8]}"
-    await redis.xgroup_create(queue, "taskiq", id="0", mkstream=True)
-    kicker = AtomicRedisStreamBroker(server.url, queue_name=queue)
     short, long_ = ["short-1", "short-2"], ["long-1", "long-2"]
     waiting = ["waiting-1", "waiting-2", "waiting-3"]
-    gate = f"{queue}:gate"
-    try:
-        for run, seconds, until in [
+    gate = f"taskiq-atomic-claim-shutdown-gate-{uuid.uuid4().hex[:8]}"
+    queue = await queue_with(
+        server,
+        redis,
+        "shutdown",
+        [
             *((r, 60.0, gate) for r in short),
             *((r, 60.0, "") for r in long_),
             *((r, 0.2, "") for r in waiting),
-        ]:
-            kicked: AsyncKicker[Any, Any] = AsyncKicker(TASK, kicker, {})
-            await kicked.kiq(run, seconds, until)
-    finally:
-        await kicker.shutdown()
+        ],
+    )
     with stopped_at_exit() as workers:
         a = start_worker(
             server, queue, tmp_path, "a", "--max-async-tasks", "4",
@@ -171,3 +185,32 @@ async def test_shutdown_hands_back_only_what_no_task_runs(
         # b exits owning nothing pending: its consumer goes with it.
         stop_gracefully(b)
         assert b_consumer not in await consumers(redis, queue)
+
+
+async def test_workers_recycled_by_max_tasks_per_child_leave_no_consumer(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # Each child of `taskiq worker --max-tasks-per-child 2` reads more than
+    # the two tasks it runs and exits gracefully handing the rest back, so it
+    # still owns entries at its exit and keeps its consumer; the next child
+    # takes them. Before, every child's consumer stayed in the group for good.
+    runs = [f"run-{n}" for n in range(4)]
+    queue = await queue_with(server, redis, "recycled", [(r, 0.05, "") for r in runs])
+    idle_ms = 1000
+    with stopped_at_exit() as workers:
+        a = start_worker(
+            server, queue, tmp_path, "a", "--max-tasks-per-child", "2",
+            TAC_TEST_IDLE_TIMEOUT=str(idle_ms),
+        )  # fmt: skip
+        workers.append(a)
+        finished = {("finished", r, "a") for r in runs}
+        seen = await wait_for(redis, queue, finished, 40)
+        assert finished <= set(seen), (seen, log_text(tmp_path))
+        children = [run for event, run, _ in seen if event == "ready"]
+        assert len(children) >= 2, seen
+        # The first child's consumer, emptied, is idle past idle_timeout.
+        await asyncio.sleep(idle_ms / 1000)
+        stop_gracefully(a)
+    left = await consumers(redis, queue)
+    print(f"\n{len(children)} children ran {len(runs)} tasks; consumers left {left}")
+    assert left == {}, log_text(tmp_path)

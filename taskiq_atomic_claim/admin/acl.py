@@ -36,8 +36,9 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("exec", "start: its count and the hash's expiry in one transaction"),
     (
         "xgroup|delconsumer",
-        "inside delete_idle_consumer: a worker exiting owning nothing pending",
+        "inside leave_group: a worker exiting, consumers owning nothing",
     ),
+    ("xinfo|consumers", "inside leave_group: which consumers own nothing"),
 )
 # taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
 # worker SETs results (with EX/PX when given), whoever waits reads them.
@@ -85,12 +86,13 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer +multi +exec
+    +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer +xinfo|consumers
+    +multi +exec
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
   acl --delete-acked) adds +xackdel; the ServerGauges middleware (acl
-  --gauges) adds +xlen +xinfo|consumers. On Redis >= 8.6, +xcfgset (kicks
+  --gauges) adds +xlen. On Redis >= 8.6, +xcfgset (kicks
   set how long the stream remembers task ids).
   And, to call the library and reload it when lost (restart, flush, failover):
     Redis/Valkey >= 7:  +fcall +function|load
@@ -170,7 +172,7 @@ def worker_commands(
     if (major, minor) >= (8, 6):
         names += [name for name, _ in IDEMPOTENCY_COMMANDS]
     if gauges:
-        names += [name for name, _ in GAUGE_COMMANDS]
+        names += [name for name, _ in GAUGE_COMMANDS if name not in names]
     if reload:
         names.append(calls[1][0])
     if result_backend:

@@ -11,8 +11,8 @@ Findings are data: a kind, a subject, the problem, advice in words and the
   this very moment, and it will have released it long before then.
 - ``idle-consumer`` (fixable): a consumer with nothing pending that has not
   talked to the server for longer than a threshold, left by a worker that
-  crashed or exited owning entries others took since (one exiting owning
-  nothing deletes its own), or by taskiq-redis's. The fix deletes it
+  crashed or exited owning entries others took since (a graceful exit
+  deletes its own and such idle empty ones), or by taskiq-redis's. The fix deletes it
   (``lua/delete_idle_consumer.lua``), atomically only if it still has
   nothing pending.
 - ``library`` (fixable): this release's script library is missing or only
