@@ -132,12 +132,15 @@ def targets(results: dict[str, Any]) -> list[Row]:
             f" {_fmt(p50.get('bare_xautoclaim'))} us, same run",
         )
     )
+    # Shown, no goal: on the Lua path the claim is held to the pass-through
+    # script below (the bare command is the native path's goal).
     server_ratio = _vs(cpu, "atomic")
     out.append(
-        _at_most(
+        _target(
             "atomic / bare_xautoclaim server us per claim cycle",
             server_ratio,
-            1.5,
+            "-",
+            None,
             f"commandstats, outer commands: atomic {_fmt(cpu.get('atomic'))} vs"
             f" bare {_fmt(cpu.get('bare_xautoclaim'))} us, same run",
         )
