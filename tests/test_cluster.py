@@ -837,6 +837,9 @@ def test_doctor_finds_and_fixes_on_each_primary(cluster: LocalCluster) -> None:
         *[f"--queue={stream}" for stream in streams],
     ]
     try:
+        # Only what the test breaks is unhealthy, whatever ran before it.
+        loaded = cli("load", "--cluster", "--url", cluster.url)
+        assert loaded.returncode == 0, loaded.stdout + loaded.stderr
         with node_client(lock_node) as client:
             client.set(lock, "killed-1.1.2-worker")
         with node_client(flushed) as client:
