@@ -54,7 +54,7 @@ from taskiq_atomic_claim.operations import (
 )
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.task_records import ack, record_starts
+from taskiq_atomic_claim.task_records import ack, record_starts, start_commands
 
 GROUP = "taskiq"
 ALIVE = "alive"
@@ -85,7 +85,8 @@ BARE_READ = "XAUTOCLAIM"
 CLAIM_FETCH = "claim's XCLAIM (fields)"
 # Slow-log entries read after a claim: its nested commands and its XCLAIMs.
 # Room for the longest call: a start of SCRIPT_BATCH ids (the most one
-# call records) is that many HINCRBYs and a PEXPIRE, each logged on its own.
+# call records) is that many HINCRBYs and the hash's upkeep, each logged on
+# its own.
 SLOWLOG_LEN = 2048
 _T = TypeVar("_T")
 
@@ -248,9 +249,10 @@ async def recover(
         # and a start of every id of a 10,000 batch outgrows the slow log.
         for first in range(0, len(ids), SCRIPT_BATCH):
             chunk = ids[first : first + SCRIPT_BATCH]
+            commands = start_commands(keys.started, MIN_STARTED_TTL_MS, chunk)
             await timings.commands(
                 "start",
-                [*(["HINCRBY"] * len(chunk)), "PEXPIRE"],
+                [str(command[0]) for command in commands],
                 record_starts(client, keys.started, MIN_STARTED_TTL_MS, chunk),
             )
         held += ids
