@@ -291,6 +291,13 @@ async def _discover_master(sentinels: list[str], master: str) -> tuple[str, int]
     return str(host), int(port)
 
 
+def _not_a_cluster_node(options: ConnectionOptions) -> NotRedisError:
+    return NotRedisError(
+        f"{_address(options.url)} speaks RESP but did not answer"
+        " CLUSTER SLOTS as a Redis or Valkey cluster node does"
+    )
+
+
 async def _cluster_primaries(
     options: ConnectionOptions, streams: list[str] | None
 ) -> list[Target]:
@@ -309,14 +316,14 @@ async def _cluster_primaries(
         # A named stream lives on the primary serving its slot, nowhere else.
         owners = [startup.get_node_from_key(stream) for stream in streams or ()]
     except RedisClusterException as error:  # not a RedisError
-        raise CommandError(f"--cluster: {error}") from None
+        if not isinstance(error.__cause__, _UNPARSABLE):
+            raise CommandError(f"--cluster: {error}") from None
+        # redis-py wraps a reply it could not parse (in the handshake, say).
+        raise _not_a_cluster_node(options) from None
     except AuthenticationError as error:
         raise CommandError(_refused_login(options.url, error)) from None
     except _UNPARSABLE:
-        raise NotRedisError(
-            f"{_address(options.url)} speaks RESP but did not answer"
-            " CLUSTER SLOTS as a Redis or Valkey cluster node does"
-        ) from None
+        raise _not_a_cluster_node(options) from None
     finally:
         await startup.aclose()
     targets = []
