@@ -275,7 +275,7 @@ async def _discover_master(sentinels: list[str], master: str) -> tuple[str, int]
         if not host or not port.isdigit():
             raise CommandError(f"--sentinel must be HOST:PORT, got {item!r}")
         addresses.append((host, int(port)))
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
         addresses, socket_connect_timeout=5, socket_timeout=10
     )
     try:
