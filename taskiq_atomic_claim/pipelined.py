@@ -18,7 +18,8 @@ for its reply. Writes go straight to the socket from the caller: no task
 and no ``wait_for`` per write.
 
 Replies come back in order on the same connection and are read by one
-reader task, under one deadline per write (``REPLY_MARGIN_S``): no reply in
+reader task (parsed by ``reply_buffer.py`` from whatever the socket had, one
+read for many replies), under one deadline per write (``REPLY_MARGIN_S``): no reply in
 time means the connection is dead. A failed connection fails every call
 awaiting a reply (acks retry on their own) and is replaced at the next
 write.
@@ -32,13 +33,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
+from taskiq_atomic_claim.reply_buffer import ReplyBuffer
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.task_records import (
     Command,
@@ -61,6 +61,8 @@ ACK_AFTER_S = 0.002
 
 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+# Bytes asked of the socket per read: every reply owed, usually.
+_READ_SIZE = 65536
 
 
 class _Call:
@@ -147,6 +149,7 @@ class PipelinedCalls:
         self._reader: asyncio.Task[None] | None = None
         self._reader_due = False
         self._connection: Any = None
+        self._replies = ReplyBuffer()  # of the current connection
 
     @property
     def available(self) -> bool:
@@ -366,6 +369,7 @@ class PipelinedCalls:
         # full: then ``written`` waits for drain().
         transport.set_write_buffer_limits(high=0, low=0)
         self._connection = connection
+        self._replies = ReplyBuffer()
         return connection
 
     async def _read(self, connection: Any) -> None:
@@ -392,15 +396,26 @@ class PipelinedCalls:
                 self._flush()
 
     async def _read_replies(self, connection: Any, count: int) -> None:
+        replies_read = self._replies
         for _ in range(count):
             batch = self._awaiting[0]
-            replies = []
-            for _ in range(batch.replies):
+            replies: list[Any] = []
+            while len(replies) < batch.replies:
+                whole, reply = replies_read.pop()
+                if whole:
+                    # An error reply is the server's answer: a value here.
+                    replies.append(reply)
+                    continue
+                # No deadline per read: one per batch (_read).
                 try:
-                    # No deadline per reply: one per batch (_read).
-                    replies.append(await connection.read_response(timeout=math.inf))
-                except ResponseError as error:  # the server's answer
-                    replies.append(error)
+                    chunk = await connection._reader.read(_READ_SIZE)
+                except OSError as error:
+                    raise RedisConnectionError(
+                        f"Error while reading from the socket: {error}"
+                    ) from error
+                if not chunk:
+                    raise RedisConnectionError("Connection closed by server.")
+                replies_read.feed(chunk)
             self._awaiting.popleft()
             try:
                 outcome = batch.outcome(replies)
