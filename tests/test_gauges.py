@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +19,7 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.acl import worker_acl_rule
 from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges, next_gap
 from taskiq_atomic_claim.harness.drill import Worker
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import COUNTERS
 from tests.conftest import Server, acl_log_entries, server_command, with_user
@@ -28,13 +28,6 @@ from tests.test_oom import until
 GROUP = "taskiq"
 USER = "tac-gauges-worker"
 PASSWORD = "tac-gauges-worker-password"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:

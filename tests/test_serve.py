@@ -30,12 +30,12 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.cli.main import main
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
+from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.test_cli import cli_in_process
-from tests.test_gauges import free_port
 from tests.test_oom import until
 
 GROUP = "taskiq"

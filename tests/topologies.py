@@ -17,9 +17,7 @@ import contextlib
 import functools
 import gc
 import os
-import random
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -87,21 +85,11 @@ def wait_until(
         time.sleep(step)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 def cluster_port(taken: set[int], attempts: int = 200) -> int:
-    """A free port whose cluster bus port (+10000) is free too; the OS's
-    ephemeral ports are too high for that."""
+    """A free port whose cluster bus port (+10000) is free too."""
     for _ in range(attempts):
-        port = random.randint(20000, 45000)
-        if port not in taken and _port_free(port) and _port_free(port + 10000):
+        port = free_port(above=10000)
+        if port not in taken:
             taken.add(port)
             return port
     raise RuntimeError("no free port pair for a cluster node")

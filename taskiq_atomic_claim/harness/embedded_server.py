@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import re
 import shutil
 import socket
@@ -102,10 +103,34 @@ def default_binary() -> ServerBinary:
     return max(binaries, key=lambda b: (b.major, b.flavor == "valkey"))
 
 
-def free_port() -> int:
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the OS hands outgoing connections their local ports from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(above: int = 0, attempts: int = 200) -> int:
+    """A free loopback port below the ephemeral range, where no outgoing
+    connection takes it before a server binds it. ``above``: so many ports
+    higher must fit below the range too, and be free (a cluster bus port)."""
+    ceiling = min(ephemeral_ports()[0], 65536) - above - 1
+    for _ in range(attempts):
+        port = random.randint(10000, ceiling)  # noqa: S311 (a port, not a secret)
+        if port_is_free(port) and (not above or port_is_free(port + above)):
+            return port
+    raise RuntimeError(f"no free loopback port below {ceiling}")
 
 
 def _pong(port: int) -> bool:
@@ -115,6 +140,10 @@ def _pong(port: int) -> bool:
             return conn.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+class PortTakenError(RuntimeError):
+    """Another process bound the port first."""
 
 
 class LocalServer:
@@ -128,6 +157,9 @@ class LocalServer:
     ) -> None:
         self.binary = binary
         self.extra_args = extra_args
+        # A port we chose may be taken before the server binds it; we may
+        # choose again. A port the caller gave (or a restart's) is kept.
+        self._port_is_ours = port is None
         self.port = port or free_port()
         self._tmp = tempfile.TemporaryDirectory(prefix=f"tac-{binary.label}-")
         self.directory = Path(self._tmp.name)
@@ -137,8 +169,19 @@ class LocalServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> LocalServer:
+    def start(self, timeout: float = 15.0, attempts: int = 5) -> LocalServer:
+        for _ in range(attempts - 1):
+            try:
+                return self._start_once(timeout)
+            except PortTakenError:
+                if not self._port_is_ours:
+                    raise
+                self.port = free_port()
+        return self._start_once(timeout)
+
+    def _start_once(self, timeout: float) -> LocalServer:
         log = self.directory / "server.log"
+        log.unlink(missing_ok=True)
         args = [
             str(self.binary.path),
             "--port", str(self.port),
@@ -153,8 +196,10 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.process = None
                 detail = log.read_text() if log.exists() else ""
-                raise RuntimeError(
+                failure = PortTakenError if "already in use" in detail else RuntimeError
+                raise failure(
                     f"{self.binary.label} exited at start on port {self.port}:"
                     f" {detail[-500:]}"
                 )
