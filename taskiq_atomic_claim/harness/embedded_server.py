@@ -112,7 +112,7 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def port_is_free(port: int) -> bool:
+def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(("127.0.0.1", port))
@@ -125,10 +125,10 @@ def free_port(above: int = 0, attempts: int = 200) -> int:
     """A free loopback port below the ephemeral range, where no outgoing
     connection takes it before a server binds it. ``above``: so many ports
     higher must fit below the range too, and be free (a cluster bus port)."""
-    ceiling = min(ephemeral_ports()[0], 65536) - above - 1
+    ceiling = ephemeral_ports()[0] - above - 1
     for _ in range(attempts):
         port = random.randint(10000, ceiling)  # noqa: S311 (a port, not a secret)
-        if port_is_free(port) and (not above or port_is_free(port + above)):
+        if _port_is_free(port) and (not above or _port_is_free(port + above)):
             return port
     raise RuntimeError(f"no free loopback port below {ceiling}")
 
@@ -140,6 +140,10 @@ def _pong(port: int) -> bool:
             return conn.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+# Starts on a port we chose, each on a fresh one after the last was taken.
+_START_ATTEMPTS = 5
 
 
 class PortTakenError(RuntimeError):
@@ -169,8 +173,8 @@ class LocalServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0, attempts: int = 5) -> LocalServer:
-        for _ in range(attempts - 1):
+    def start(self, timeout: float = 15.0) -> LocalServer:
+        for _ in range(_START_ATTEMPTS - 1):
             try:
                 return self._start_once(timeout)
             except PortTakenError:
@@ -181,7 +185,8 @@ class LocalServer:
 
     def _start_once(self, timeout: float) -> LocalServer:
         log = self.directory / "server.log"
-        log.unlink(missing_ok=True)
+        # The server appends: only what this start wrote says why it failed.
+        logged_before = log.stat().st_size if log.exists() else 0
         args = [
             str(self.binary.path),
             "--port", str(self.port),
@@ -197,7 +202,8 @@ class LocalServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.process = None
-                detail = log.read_text() if log.exists() else ""
+                written = log.read_bytes() if log.exists() else b""
+                detail = written[logged_before:].decode(errors="replace")
                 failure = PortTakenError if "already in use" in detail else RuntimeError
                 raise failure(
                     f"{self.binary.label} exited at start on port {self.port}:"
