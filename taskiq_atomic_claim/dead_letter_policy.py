@@ -17,8 +17,8 @@ An entry goes to the dead letters when:
   its ARGV).
 
 Short of the first rule, an entry with ``suspect_threshold`` crashes runs
-alone among such entries in its worker (``suspects.py``), so one poison
-task never takes its neighbours to the dead letters.
+alone in its worker (``suspects.py``), so no poison task takes its
+neighbours to the dead letters.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def crashed_out(crashes: int, max_deliveries: int) -> bool:
 
 def suspect_threshold(max_deliveries: int) -> int:
     """Crashes that make a suspect; 0 (none) where crashes are not counted.
-    Above one crash where max_deliveries allows (2 for the default 5), and
-    ``2 * threshold < max_deliveries`` for max_deliveries >= 3 (see
-    ``suspects.py``)."""
+    Above one crash where max_deliveries allows (2 for the default 5), below
+    max_deliveries for max_deliveries >= 2, and leaving an innocent task
+    room for as many crashes of its own (see ``suspects.py``)."""
     return max(1, (max_deliveries - 1) // 2) if max_deliveries else 0
 
 

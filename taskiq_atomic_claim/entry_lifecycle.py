@@ -72,7 +72,7 @@ from taskiq_atomic_claim.server_calls import (
 )
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
-from taskiq_atomic_claim.suspects import OneSuspectAtATime
+from taskiq_atomic_claim.suspects import SuspectsRunAlone
 from taskiq_atomic_claim.task_records import ack, record_starts
 from taskiq_atomic_claim.unknown_tasks import call_decline
 
@@ -119,7 +119,7 @@ class EntryLifecycle:
         self.consumer = consumer
         self.settings = settings
         self.metrics = metrics
-        self.suspects = OneSuspectAtATime(settings.max_deliveries)
+        self.suspects = SuspectsRunAlone(settings.max_deliveries)
         self._held: dict[tuple[str, str], Delivery] = {}
         self._by_task: dict[asyncio.Task[Any], Delivery] = {}
         self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}

@@ -210,7 +210,7 @@ def judge_dead_letters(
             report.dead_innocent_crashed += 1
             _example(report, f"dead letter {run}: crashed {len(crashed_in)} times")
         else:
-            # A poison's neighbour: suspects run one at a time (suspects.py),
+            # A poison's neighbour: suspects run alone (suspects.py),
             # so a poison must never take it to the dead letters.
             report.lost_by_us += 1
             report.dead_innocent_beside_poison += 1

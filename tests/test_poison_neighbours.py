@@ -5,14 +5,25 @@ starts another, which reclaims the poison and its neighbours together."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from redis.asyncio import Redis
 
+from taskiq_atomic_claim.dead_letter_policy import suspect_threshold
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME
 from tests.conftest import Server
 from tests.started_app import POISON_TASK
-from tests.test_started_semantics import fresh_queue, stop_gracefully, stopped_at_exit
+from tests.test_started_semantics import (
+    Queue,
+    fresh_queue,
+    stop_gracefully,
+    stopped_at_exit,
+)
 
 MAX_DELIVERIES = 5  # the default
 
@@ -48,3 +59,85 @@ async def test_a_poison_beside_running_tasks_dead_letters_only_itself(
         assert dead[0].deliveries == MAX_DELIVERIES
         assert poisoned == ["poison"] * MAX_DELIVERIES, "once per allowed crash"
         assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
+
+
+def kill_the_worker_process(worker: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process ``taskiq worker`` runs tasks in (as an OOM kill
+    would); taskiq starts another."""
+    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text()
+    for pid in children.split():
+        os.kill(int(pid), signal.SIGKILL)
+
+
+async def wait_for_starts(
+    queue: Queue, run_id: str, count: int, seconds: float
+) -> None:
+    deadline = time.monotonic() + seconds
+    while (await queue.run_ids("started")).count(run_id) < count:
+        assert time.monotonic() < deadline, f"{run_id} did not start {count} times"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_task_that_crashed_its_workers_runs_with_nothing_beside_it(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    """A suspect that is innocent meets a poison nobody suspects yet (kicked
+    later, as a second poison would be): the poison must not start beside
+    it, or every new poison adds a crash to it until it is dead-lettered
+    (the soak found one dead-lettered beside three poisons)."""
+    threshold = suspect_threshold(MAX_DELIVERIES)
+    async with fresh_queue(server, redis, tmp_path, MAX_DELIVERIES) as queue:
+        await queue.kick(TASK_NAME, "innocent", 3.0)
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w", "--max-async-tasks", "10"))
+            for crash in range(threshold):
+                await wait_for_starts(queue, "innocent", crash + 1, 30)
+                kill_the_worker_process(workers[-1])
+            # Reclaimed with its crashes: a suspect, running.
+            await wait_for_starts(queue, "innocent", threshold + 1, 30)
+            await queue.kick(POISON_TASK, "poison")
+            done = await queue.wait_until_finished({"innocent"}, 60)
+            starts = (await queue.run_ids("started")).count("innocent")
+            stop_gracefully(workers[-1])
+        assert "innocent" in done
+        assert starts == threshold + 1, "the poison started beside the suspect"
+
+
+async def test_poisons_arriving_one_after_another_dead_letter_only_themselves(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    """Each poison kicked once the one before has made every running task a
+    suspect: under "one suspect at a time" each new poison added crashes to
+    the innocent holding the turn until it was dead-lettered."""
+    threshold = suspect_threshold(MAX_DELIVERIES)
+    innocents = [f"innocent-{n}" for n in range(3)]
+    poisons = [f"poison-{n}" for n in range(3)]
+    async with fresh_queue(server, redis, tmp_path, MAX_DELIVERIES) as queue:
+        for run_id in innocents:
+            await queue.kick(TASK_NAME, run_id, 3.0)
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w", "--max-async-tasks", "10"))
+            for run_id in poisons:
+                await wait_for_starts(queue, innocents[0], 1, 30)
+                await queue.kick(POISON_TASK, run_id)
+                deadline = time.monotonic() + 60
+                while (await queue.run_ids("poisoned")).count(run_id) < threshold:
+                    assert time.monotonic() < deadline, f"{run_id} never ran"
+                    await asyncio.sleep(0.1)
+            done = await queue.wait_until_finished(set(innocents), 120)
+            deadline = time.monotonic() + 120
+            while len(await queue.dead_letters(redis)) < len(poisons):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            dead = await queue.dead_letters(redis)
+            stop_gracefully(workers[-1])
+        assert [
+            (d.original_id, d.deliveries)
+            for d in dead
+            if b"poison" not in d.fields[b"data"]
+        ] == [], "innocent neighbours of the poisons were dead-lettered"
+        assert done >= set(innocents), f"never finished: {set(innocents) - done}"
+        assert sorted((d.reason, d.deliveries) for d in dead) == [
+            ("max_deliveries exceeded", MAX_DELIVERIES)
+        ] * len(poisons)

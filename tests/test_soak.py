@@ -132,7 +132,7 @@ def test_an_innocent_task_that_crashed_max_deliveries_times_is_counted_apart() -
 
 
 def test_an_innocent_task_dead_lettered_beside_the_poison_is_lost_by_us() -> None:
-    # Suspects run one at a time (suspects.py): a poison must not take a
+    # Suspects run alone (suspects.py): a poison must not take a
     # neighbour to the dead letters, even one that crashed max_deliveries times.
     innocent = Letter("m1", "max_deliveries exceeded", MAX)
     report = judged(
