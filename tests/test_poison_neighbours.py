@@ -141,3 +141,34 @@ async def test_poisons_arriving_one_after_another_dead_letter_only_themselves(
         assert sorted((d.reason, d.deliveries) for d in dead) == [
             ("max_deliveries exceeded", MAX_DELIVERIES)
         ] * len(poisons)
+
+
+async def test_a_graceful_stop_while_tasks_queue_for_a_suspect_loses_nothing(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    """SIGTERM while a suspect and the tasks behind it wait for their turns:
+    each runs (taskiq waits for its tasks) or is handed back, none is
+    dead-lettered, none stays pending, none gains a crash."""
+    threshold = suspect_threshold(MAX_DELIVERIES)
+    async with fresh_queue(server, redis, tmp_path, MAX_DELIVERIES) as queue:
+        await queue.kick(TASK_NAME, "suspect", 2.0)
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w1", "--max-async-tasks", "10"))
+            for crash in range(threshold):
+                await wait_for_starts(queue, "suspect", crash + 1, 30)
+                kill_the_worker_process(workers[-1])
+            await queue.kick(TASK_NAME, "long", 3.0)
+            await wait_for_starts(queue, "suspect", threshold + 1, 30)
+            await queue.kick(TASK_NAME, "later", 0.5)
+            await asyncio.sleep(0.3)  # read and queued behind the turns
+            stop_gracefully(workers[-1])
+            # Takes what w1 handed back.
+            workers.append(queue.worker("w2", "--max-async-tasks", "10"))
+            done = await queue.wait_until_finished({"suspect", "long", "later"}, 60)
+            stop_gracefully(workers[-1])
+        starts = await queue.run_ids("started")
+        assert done >= {"suspect", "long", "later"}
+        assert starts.count("suspect") == threshold + 1
+        assert starts.count("long") == starts.count("later") == 1
+        assert await queue.dead_letters(redis) == []
+        assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
