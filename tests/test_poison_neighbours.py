@@ -78,6 +78,18 @@ async def wait_for_starts(
         await asyncio.sleep(0.05)
 
 
+async def crash_it_into_a_suspect(
+    queue: Queue, worker: subprocess.Popen[bytes], run_id: str, seconds: float
+) -> None:
+    """Kick ``run_id`` and kill the worker process under it until its entry
+    has the crashes that make a suspect (the worker's next process reclaims
+    it)."""
+    await queue.kick(TASK_NAME, run_id, seconds)
+    for crash in range(suspect_threshold(MAX_DELIVERIES)):
+        await wait_for_starts(queue, run_id, crash + 1, 30)
+        kill_the_worker_process(worker)
+
+
 async def test_a_task_that_crashed_its_workers_runs_with_nothing_beside_it(
     server: Server, redis: Redis, tmp_path: Path
 ) -> None:
@@ -87,12 +99,9 @@ async def test_a_task_that_crashed_its_workers_runs_with_nothing_beside_it(
     (the soak found one dead-lettered beside three poisons)."""
     threshold = suspect_threshold(MAX_DELIVERIES)
     async with fresh_queue(server, redis, tmp_path, MAX_DELIVERIES) as queue:
-        await queue.kick(TASK_NAME, "innocent", 3.0)
         with stopped_at_exit() as workers:
             workers.append(queue.worker("w", "--max-async-tasks", "10"))
-            for crash in range(threshold):
-                await wait_for_starts(queue, "innocent", crash + 1, 30)
-                kill_the_worker_process(workers[-1])
+            await crash_it_into_a_suspect(queue, workers[-1], "innocent", 3.0)
             # Reclaimed with its crashes: a suspect, running.
             await wait_for_starts(queue, "innocent", threshold + 1, 30)
             await queue.kick(POISON_TASK, "poison")
@@ -151,12 +160,9 @@ async def test_a_graceful_stop_while_tasks_queue_for_a_suspect_loses_nothing(
     dead-lettered, none stays pending, none gains a crash."""
     threshold = suspect_threshold(MAX_DELIVERIES)
     async with fresh_queue(server, redis, tmp_path, MAX_DELIVERIES) as queue:
-        await queue.kick(TASK_NAME, "suspect", 2.0)
         with stopped_at_exit() as workers:
             workers.append(queue.worker("w1", "--max-async-tasks", "10"))
-            for crash in range(threshold):
-                await wait_for_starts(queue, "suspect", crash + 1, 30)
-                kill_the_worker_process(workers[-1])
+            await crash_it_into_a_suspect(queue, workers[-1], "suspect", 2.0)
             await queue.kick(TASK_NAME, "long", 3.0)
             await wait_for_starts(queue, "suspect", threshold + 1, 30)
             await queue.kick(TASK_NAME, "later", 0.5)
