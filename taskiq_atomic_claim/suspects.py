@@ -47,9 +47,6 @@ class SuspectsRunAlone:
         self._suspects: deque[asyncio.Future[None]] = deque()
         self._others: deque[asyncio.Future[None]] = deque()
 
-    def is_suspect(self, delivery: Delivery) -> bool:
-        return bool(self.threshold) and delivery.crashes >= self.threshold
-
     async def wait_turn(self, delivery: Delivery) -> None:
         """In the asyncio task about to run ``delivery``'s task: wait until
         it may start."""
@@ -58,7 +55,7 @@ class SuspectsRunAlone:
         task = asyncio.current_task()
         if task is None:
             return
-        suspect = self.is_suspect(delivery)
+        suspect = delivery.crashes >= self.threshold
         if suspect:
             logger.warning(
                 "Entry %s of stream %r was running in %d workers that died: it"
@@ -115,9 +112,8 @@ class SuspectsRunAlone:
         nothing runs; else every other task."""
         # A waiter cancelled is dropped from its queue only once its task
         # runs again: skip it here.
-        for waiters in (self._suspects, self._others):
-            while waiters and waiters[0].done():
-                waiters.popleft()
+        while self._suspects and self._suspects[0].done():
+            self._suspects.popleft()
         if self._alone:
             return
         if self._suspects:

@@ -69,12 +69,13 @@ def kill_the_worker_process(worker: subprocess.Popen[bytes]) -> None:
         os.kill(int(pid), signal.SIGKILL)
 
 
-async def wait_for_starts(
-    queue: Queue, run_id: str, count: int, seconds: float
+async def wait_for_reports(
+    queue: Queue, run_id: str, count: int, seconds: float, event: str = "started"
 ) -> None:
+    """Until the workers reported ``event`` for ``run_id`` ``count`` times."""
     deadline = time.monotonic() + seconds
-    while (await queue.run_ids("started")).count(run_id) < count:
-        assert time.monotonic() < deadline, f"{run_id} did not start {count} times"
+    while (await queue.run_ids(event)).count(run_id) < count:
+        assert time.monotonic() < deadline, f"{run_id}: {event} not {count} times"
         await asyncio.sleep(0.05)
 
 
@@ -86,7 +87,7 @@ async def crash_it_into_a_suspect(
     it)."""
     await queue.kick(TASK_NAME, run_id, seconds)
     for crash in range(suspect_threshold(MAX_DELIVERIES)):
-        await wait_for_starts(queue, run_id, crash + 1, 30)
+        await wait_for_reports(queue, run_id, crash + 1, 30)
         kill_the_worker_process(worker)
 
 
@@ -103,7 +104,7 @@ async def test_a_task_that_crashed_its_workers_runs_with_nothing_beside_it(
             workers.append(queue.worker("w", "--max-async-tasks", "10"))
             await crash_it_into_a_suspect(queue, workers[-1], "innocent", 3.0)
             # Reclaimed with its crashes: a suspect, running.
-            await wait_for_starts(queue, "innocent", threshold + 1, 30)
+            await wait_for_reports(queue, "innocent", threshold + 1, 30)
             await queue.kick(POISON_TASK, "poison")
             done = await queue.wait_until_finished({"innocent"}, 60)
             starts = (await queue.run_ids("started")).count("innocent")
@@ -127,12 +128,9 @@ async def test_poisons_arriving_one_after_another_dead_letter_only_themselves(
         with stopped_at_exit() as workers:
             workers.append(queue.worker("w", "--max-async-tasks", "10"))
             for run_id in poisons:
-                await wait_for_starts(queue, innocents[0], 1, 30)
+                await wait_for_reports(queue, innocents[0], 1, 30)
                 await queue.kick(POISON_TASK, run_id)
-                deadline = time.monotonic() + 60
-                while (await queue.run_ids("poisoned")).count(run_id) < threshold:
-                    assert time.monotonic() < deadline, f"{run_id} never ran"
-                    await asyncio.sleep(0.1)
+                await wait_for_reports(queue, run_id, threshold, 60, "poisoned")
             done = await queue.wait_until_finished(set(innocents), 120)
             deadline = time.monotonic() + 120
             while len(await queue.dead_letters(redis)) < len(poisons):
@@ -164,7 +162,7 @@ async def test_a_graceful_stop_while_tasks_queue_for_a_suspect_loses_nothing(
             workers.append(queue.worker("w1", "--max-async-tasks", "10"))
             await crash_it_into_a_suspect(queue, workers[-1], "suspect", 2.0)
             await queue.kick(TASK_NAME, "long", 3.0)
-            await wait_for_starts(queue, "suspect", threshold + 1, 30)
+            await wait_for_reports(queue, "suspect", threshold + 1, 30)
             await queue.kick(TASK_NAME, "later", 0.5)
             await asyncio.sleep(0.3)  # read and queued behind the turns
             stop_gracefully(workers[-1])
