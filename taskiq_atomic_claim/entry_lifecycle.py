@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -120,6 +121,10 @@ class EntryLifecycle:
         self.settings = settings
         self.metrics = metrics
         self.suspects = SuspectsRunAlone(settings.max_deliveries)
+        # ms a start count lives: long enough to see max_deliveries crashes
+        # and reclaims.
+        cycles = (settings.max_deliveries + 1) * 2
+        self.started_ttl = max(MIN_STARTED_TTL_MS, cycles * settings.idle_timeout)
         self._held: dict[tuple[str, str], Delivery] = {}
         self._by_task: dict[asyncio.Task[Any], Delivery] = {}
         self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
@@ -250,12 +255,6 @@ class EntryLifecycle:
             await self.suspects.wait_turn(delivery)
             await self.record_start(self.connect, delivery)
 
-    @property
-    def started_ttl(self) -> int:
-        """ms: long enough to see max_deliveries crashes and reclaims."""
-        cycles = (self.settings.max_deliveries + 1) * 2
-        return max(MIN_STARTED_TTL_MS, cycles * self.settings.idle_timeout)
-
     async def record_start(self, connect: Connect, delivery: Delivery) -> None:
         """Record on the server that the entry's task starts, before it runs.
 
@@ -280,20 +279,19 @@ class EntryLifecycle:
         """Written, not answered: once the kernel has it, the start reaches
         the server even if this process dies right after."""
         assert self.pipelined is not None
-        keys = self.keys(delivery.stream)
-        call = self.pipelined.start(keys.started, self.started_ttl, delivery.entry_id)
-        try:
-            await call.written
-        except Exception as error:
-            _start_not_recorded(delivery, error)
-            return
+        written = self.pipelined.start(
+            self.keys(delivery.stream).started,
+            self.started_ttl,
+            delivery.entry_id,
+            functools.partial(_start_not_recorded, delivery),
+        )
+        if written is not None:  # else in the kernel already
+            try:
+                await written
+            except Exception as error:
+                _start_not_recorded(delivery, error)
+                return
         delivery.started = True
-
-        def answered(reply: asyncio.Future[Any]) -> None:
-            if not reply.cancelled() and reply.exception() is not None:
-                _start_not_recorded(delivery, reply.exception())
-
-        call.reply.add_done_callback(answered)
 
     async def _flush_starts(self, connect: Connect) -> None:
         # Let the callbacks scheduled beside this one reach their start too.

@@ -7,20 +7,24 @@ as one transaction per started hash, acks as one XACK per stream
 (``task_records.py`` defines the commands). So an idle worker's start
 costs its task no turn of the event loop, and a busy worker's calls share
 writes and the server's work. Acks are held up to ``ACK_AFTER_S`` to go
-out ``ACK_BATCH`` at a time, and acked entries' start counts are deleted in
-bulk (one HDEL per ``FORGET_BATCH`` ids, or ``FORGET_AFTER_S`` after an
-ack): a field left meanwhile sits in an expiring hash and counts nothing.
+out ``ACK_BATCH`` at a time, or sooner with a start that is written
+anyway; acked entries' start counts are deleted in bulk (one HDEL per
+``FORGET_BATCH`` ids, or ``FORGET_AFTER_S`` after an ack): a field left
+meanwhile sits in an expiring hash and counts nothing.
 
-A start waits only until its write is in the kernel (``written``): from
-there it reaches the server even if the process is killed at once, so no
-round trip stands between a task's start record and the task. An ack waits
-for its reply. Writes go straight to the socket from the caller: no task
-and no ``wait_for`` per write.
+A start waits only until its write is in the kernel: from there it reaches
+the server even if the process is killed at once, so no round trip stands
+between a task's start record and the task. ``start`` returns None when
+the write is in the kernel already (the usual case: no future, no await),
+else a future for it. An ack waits for its reply.
 
-Replies come back in order on the same connection and are read by one
-reader task (parsed by ``reply_buffer.py`` from whatever the socket had, one
-read for many replies), under one deadline per write (``REPLY_MARGIN_S``): no reply in
-time means the connection is dead. A failed connection fails every call
+The connection is redis-py's (made by its pool: authentication, RESP
+version, database, TLS), taken over once connected: its transport talks to
+this module's protocol, so replies are parsed (``reply_buffer.py``) and
+answered in the transport's own callback, as they arrive, with no reader
+task and no timeout object per write. One timer per connection holds the
+deadline (``REPLY_MARGIN_S``) of the oldest write owed: no reply in time
+means the connection is dead. A failed connection fails every call
 awaiting a reply (acks retry on their own) and is replaced at the next
 write.
 
@@ -37,9 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taskiq_atomic_claim.reply_buffer import ReplyBuffer
-from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
+from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S
 from taskiq_atomic_claim.task_records import (
     Command,
     ack_command,
@@ -53,74 +58,173 @@ from taskiq_atomic_claim.task_records import (
 # started hash, or this long after the first (s).
 FORGET_BATCH = 32
 FORGET_AFTER_S = 1.0
-# Acks go out together: at this many, or this long after the first (s).
-# Each XACK costs the server about what one id's does; an ack held a few
-# ms holds its task's slot as long, and no task's start waits for it.
+# Acks go out together: at this many, or this long after the first (s), or
+# with the next start's write. Each XACK costs the server about what one
+# id's does; an ack held a few ms holds its task's slot as long, and no
+# task's start waits for it.
 ACK_BATCH = 8
 ACK_AFTER_S = 0.002
+# A start made less than this after the last write of starts (s) waits the
+# rest of it for company: under load starts share writes, each of which
+# costs the worker a send syscall that runs the server's side of loopback
+# TCP (about 45 us of its time per write, measured while draining); a
+# worker whose tasks come further apart than this writes each at once.
+START_GATHER_S = 0.001
 
 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-# Bytes asked of the socket per read: every reply owed, usually.
-_READ_SIZE = 65536
+
+# Called with the error when a start's reply refuses it (out of memory).
+OnRefused = Callable[[Exception], None]
 
 
-class _Call:
-    __slots__ = ("entry_id", "reply", "written")
+class _Start:
+    """One start: its entry, who hears of a refusal, whether its write is in
+    the kernel, and ``written``, a future made only when it was not at
+    once (or ``error``: it will not be)."""
 
-    def __init__(self, entry_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("entry_id", "error", "in_kernel", "on_refused", "written")
+
+    def __init__(self, entry_id: str, on_refused: OnRefused) -> None:
         self.entry_id = entry_id
-        self.written: asyncio.Future[None] = loop.create_future()
-        self.reply: asyncio.Future[Any] = loop.create_future()
+        self.on_refused = on_refused
+        self.in_kernel = False
+        self.error: Exception | None = None
+        self.written: asyncio.Future[None] | None = None
+
+    def fail(self, error: Exception) -> None:
+        if self.written is None:
+            self.error = error
+        else:
+            _fail(self.written, error)
 
 
 class _Batch:
     """Calls of one write sent as one set of commands (``packed``, RESP,
     ``replies`` of them), answered together."""
 
-    __slots__ = ("answered", "calls", "outcome", "packed", "replies")
+    __slots__ = ("acks", "answered", "due", "in_kernel", "packed", "replies", "starts")
 
     def __init__(
         self,
-        calls: list[_Call],
         packed: bytes,
         replies: int,
-        outcome: Callable[[list[Any]], Any],
-        answered: Callable[[], None] = lambda: None,
+        *,
+        starts: list[_Start] | None = None,
+        acks: list[asyncio.Future[int]] | None = None,
+        answered: Callable[[], None] | None = None,
     ) -> None:
-        self.calls = calls
         self.packed = packed
         self.replies = replies
-        # The calls' reply from the commands' replies (an exception among
-        # them raised).
-        self.outcome = outcome
-        # Called once the outcome is a reply, not an error.
+        self.starts = starts
+        self.acks = acks
+        # Called once the acks' reply is a count, not an error.
         self.answered = answered
+        self.due = 0.0  # the loop's time by which its replies must be in
+        self.in_kernel = False
+
+    def outcome(self, replies: list[Any]) -> None:
+        """Settle its calls from the commands' replies."""
+        if self.starts is not None:
+            error = _start_error(replies)
+            if error is not None:
+                for start in self.starts:
+                    start.on_refused(error)
+            return
+        if self.acks is None:
+            return  # forgotten counts: a refusal leaves fields in an expiring hash
+        error = _first_error(replies)
+        if error is not None:
+            self.fail(error)
+            return
+        if self.answered is not None:
+            self.answered()
+        count = acked_count(replies[0])
+        for reply in self.acks:
+            if not reply.done():
+                reply.set_result(count)
+
+    def written(self) -> None:
+        """In the kernel: on its way even if this process dies now."""
+        self.in_kernel = True
+        for start in self.starts or ():
+            start.in_kernel = True
+            if start.written is not None and not start.written.done():
+                start.written.set_result(None)
+
+    def fail(self, error: Exception) -> None:
+        """Not answered; written for sure only if ``in_kernel`` (then a start
+        hears of it as of a refusal: it may not have been counted)."""
+        for start in self.starts or ():
+            if start.in_kernel:
+                start.on_refused(error)
+            else:
+                start.fail(error)
+        for reply in self.acks or ():
+            _fail(reply, error)
 
 
-def _transaction_outcome(replies: list[Any]) -> Any:
+def _start_error(replies: list[Any]) -> Exception | None:
+    """MULTI's, each QUEUED, EXEC's: the first refusal, if any."""
     executed = replies[-1]
-    _raise_any(replies[:-1])
+    error = _first_error(replies[:-1])
+    if error is not None:
+        return error
     if not isinstance(executed, list):
-        raise RedisConnectionError(f"unexpected EXEC reply {executed!r}")
-    _raise_any(executed)
-    return None  # a start's callers need only know it was not refused
+        return RedisConnectionError(f"unexpected EXEC reply {executed!r}")
+    return _first_error(executed)
 
 
-def _ack_outcome(replies: list[Any]) -> Any:
-    _raise_any(replies)
-    return acked_count(replies[0])
-
-
-def _forget_outcome(replies: list[Any]) -> Any:
-    # Nobody waits for it: a refusal leaves fields in an expiring hash.
-    del replies
-
-
-def _raise_any(replies: list[Any]) -> None:
+def _first_error(replies: list[Any]) -> Exception | None:
     for reply in replies:
         if isinstance(reply, Exception):
-            raise reply
+            return reply
+    return None
+
+
+class _Link(asyncio.Protocol):
+    """The taken-over connection's protocol: hands what the transport says
+    to the pipeline while this link is its current one."""
+
+    def __init__(self, owner: PipelinedCalls, connection: Any, transport: Any) -> None:
+        self.owner = owner
+        self.connection = connection  # redis-py's, given back to the pool
+        self.transport = transport
+        # redis-py's protocol: told when the connection is lost, as its
+        # disconnect() waits for that.
+        self.inner = transport.get_protocol()
+        self.replies = ReplyBuffer()
+        self.closed = False
+
+    def data_received(self, data: bytes) -> None:
+        if not self.closed:
+            self.owner._received(self, data)
+
+    def eof_received(self) -> bool:
+        self.lost(RedisConnectionError("Connection closed by server."))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+        self.lost(
+            exc
+            if isinstance(exc, RedisConnectionError)
+            else RedisConnectionError(f"Connection lost: {exc or 'closed'}")
+        )
+
+    def resume_writing(self) -> None:
+        if not self.closed:
+            self.owner._drained(self)
+
+    def lost(self, error: Exception) -> None:
+        if not self.closed:
+            self.owner._link_failed(self, error)
+
+    @property
+    def alive(self) -> bool:
+        """Not closed, and the server has not closed its end: a restart's
+        FIN is seen here at once, and a write after it would vanish."""
+        return not (self.closed or self.transport.is_closing())
 
 
 class PipelinedCalls:
@@ -135,8 +239,8 @@ class PipelinedCalls:
         self._start_ends: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._count_frames: dict[str, tuple[bytes, bytes]] = {}
         # Starts first in a write (see _batches): by target, then the entry.
-        self._starts: dict[tuple[str, int], list[_Call]] = {}
-        self._acks: dict[tuple[str, str, str, bool], list[_Call]] = {}
+        self._starts: dict[tuple[str, int], list[_Start]] = {}
+        self._acks: dict[tuple[str, str, str, bool], list[tuple[str, Any]]] = {}
         # Per started hash, entries acked whose counts are not yet deleted.
         self._acked: dict[str, list[str]] = {}
         self._forget_due = False
@@ -144,21 +248,42 @@ class PipelinedCalls:
         self._ack_count = 0
         self._acks_due = False
         self._ack_timer: asyncio.TimerHandle | None = None
+        self._last_start_write = float("-inf")  # the loop's time
+        self._gather_timer: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Task[None] | None = None
+        self._link: _Link | None = None
         self._awaiting: collections.deque[_Batch] = collections.deque()
-        self._reader: asyncio.Task[None] | None = None
-        self._reader_due = False
-        self._connection: Any = None
-        self._replies = ReplyBuffer()  # of the current connection
+        # Written to the transport, not yet all in the kernel.
+        self._unwritten: list[_Batch] = []
+        # Replies so far of the batch first in _awaiting.
+        self._partial: list[Any] = []
+        self._deadline: asyncio.TimerHandle | None = None
+        self._idle_waiters: list[asyncio.Future[None]] = []
 
     @property
     def available(self) -> bool:
         return self.pool is not None
 
-    def start(self, started: str, ttl_ms: int, entry_id: str) -> _Call:
-        """Write a start now if nothing is owed, else with the next write;
-        await ``written`` (or ``reply``) on what it returns."""
-        return self._queue(self._starts.setdefault((started, ttl_ms), []), entry_id)
+    def start(
+        self, started: str, ttl_ms: int, entry_id: str, on_refused: OnRefused
+    ) -> asyncio.Future[None] | None:
+        """Write a start now if nothing is owed, else with the next write.
+        None once it is in the kernel; else a future that is done then (or
+        fails: not written). ``on_refused`` hears of a written start the
+        server refused or whose reply was lost."""
+        call = _Start(entry_id, on_refused)
+        self._starts.setdefault((started, ttl_ms), []).append(call)
+        if not self._awaiting and self._may_write():
+            # Nothing owed, no start written just now: written at once, so
+            # a start costs its task no turn of the loop. Else it waits for
+            # the replies owed or for company (START_GATHER_S).
+            self._flush()
+        if call.in_kernel:
+            return None
+        future = call.written = asyncio.get_running_loop().create_future()
+        if call.error is not None:
+            _fail(future, call.error)
+        return future
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
@@ -166,8 +291,10 @@ class PipelinedCalls:
         """Ack with others (see ``ACK_BATCH``); 1 if the entry was pending,
         else 0."""
         loop = asyncio.get_running_loop()
-        call = _Call(entry_id, loop)
-        self._acks.setdefault((stream, started, group, delete_acked), []).append(call)
+        reply: asyncio.Future[int] = loop.create_future()
+        self._acks.setdefault((stream, started, group, delete_acked), []).append(
+            (entry_id, reply)
+        )
         self._ack_count += 1
         if self._ack_count >= ACK_BATCH:
             self._acks_due = True
@@ -175,8 +302,7 @@ class PipelinedCalls:
                 self._flush()
         elif self._ack_timer is None:
             self._ack_timer = loop.call_later(ACK_AFTER_S, self._acks_now)
-        reply: int = await call.reply
-        return reply
+        return await reply
 
     def _acks_now(self) -> None:
         self._ack_timer = None
@@ -185,43 +311,46 @@ class PipelinedCalls:
             if not self._awaiting:
                 self._flush()
 
-    def _queue(self, calls: list[_Call], entry_id: str) -> _Call:
-        call = _Call(entry_id, asyncio.get_running_loop())
-        calls.append(call)
-        if not self._awaiting:
-            # Nothing owed: written now, so a start costs its task no turn
-            # of the loop. Else it waits for the replies owed (see _read).
-            self._flush()
-        return call
-
     def _batches(self) -> list[_Batch]:
         # Starts before acks: an entry's ack is only made once its start was
         # written, so within one write no ack precedes its own start.
         batches = []
-        for (started, ttl_ms), calls in self._starts.items():
+        if self._starts:
+            self._last_start_write = asyncio.get_running_loop().time()
+            if self._gather_timer is not None:
+                self._gather_timer.cancel()
+                self._gather_timer = None
+        for (started, ttl_ms), starts in self._starts.items():
             end, end_replies = self._start_end(started, ttl_ms)
-            counts = self._pack_counts(started, [call.entry_id for call in calls])
+            counts = self._pack_counts(started, [s.entry_id for s in starts])
             packed = b"".join((_MULTI, counts, end))
-            replies = 1 + len(calls) + end_replies  # MULTI's, each QUEUED, EXEC's
-            batches.append(_Batch(calls, packed, replies, _transaction_outcome))
-        self._starts = {}
-        if self._acks_due:
-            for (stream, started, group, delete_acked), calls in self._acks.items():
-                ids = [call.entry_id for call in calls]
+            replies = 1 + len(starts) + end_replies  # MULTI's, each QUEUED, EXEC's
+            batches.append(_Batch(packed, replies, starts=starts))
+        # Acks held for company go with a start written anyway: no write of
+        # their own.
+        if self._acks and (self._acks_due or self._starts):
+            for (stream, started, group, delete_acked), acks in self._acks.items():
+                ids = [entry_id for entry_id, _ in acks]
                 packed = self._pack([ack_command(stream, group, ids, delete_acked)])
                 answered = functools.partial(self._forget_later, started, ids)
-                batches.append(_Batch(calls, packed, 1, _ack_outcome, answered))
-            self._acks, self._ack_count, self._acks_due = {}, 0, False
+                batches.append(
+                    _Batch(
+                        packed, 1, acks=[reply for _, reply in acks], answered=answered
+                    )
+                )
+            self._acks, self._ack_count = {}, 0
             if self._ack_timer is not None:
                 self._ack_timer.cancel()
                 self._ack_timer = None
+        self._starts = {}
+        self._acks_due = False
         # Acked counts go in bulk, each HDEL costing the server about what
         # one id's did: at FORGET_BATCH ids, or FORGET_AFTER_S after an ack.
         for started, ids in list(self._acked.items()):
             if self._forget_due or len(ids) >= FORGET_BATCH:
                 del self._acked[started]
                 packed = self._pack([forget_command(started, ids)])
-                batches.append(_Batch([], packed, 1, _forget_outcome))
+                batches.append(_Batch(packed, 1))
         self._forget_due = False
         return batches
 
@@ -273,159 +402,205 @@ class PipelinedCalls:
         self._forget_timer = None
         if self._acked:
             self._forget_due = True
-            connection = self._connection
             # Never a new connection for this alone (after a shutdown, say):
             # the next write takes them.
-            if not self._awaiting and connection is not None and _alive(connection):
+            link = self._link
+            if not self._awaiting and link is not None and link.alive:
                 self._flush()
-
-    def _flush(self) -> None:
-        if self._connecting is not None and not self._connecting.done():
-            return  # the connecting task writes what is queued once ready
-        connection = self._connection
-        if connection is None or not _alive(connection):
-            self._connecting = asyncio.create_task(self._connect_and_flush())
-            return
-        batches = self._batches()
-        if batches:
-            self._write(connection, batches)
 
     def _queued(self) -> bool:
         return bool(self._starts or self._acks_due or self._forget_due)
 
+    def _may_write(self) -> bool:
+        """Something queued may go now: acks or forgotten counts due, or
+        starts whose time to gather is over (else it is set to end)."""
+        if self._acks_due or self._forget_due:
+            return True
+        if not self._starts:
+            return False
+        loop = asyncio.get_running_loop()
+        wait = self._last_start_write + START_GATHER_S - loop.time()
+        if wait <= 0:
+            return True
+        if self._gather_timer is None:
+            self._gather_timer = loop.call_later(wait, self._gathered)
+        return False
+
+    def _gathered(self) -> None:
+        self._gather_timer = None
+        if self._starts and not self._awaiting:
+            self._flush()
+
+    # The connection.
+
+    def _flush(self) -> None:
+        if self._connecting is not None and not self._connecting.done():
+            return  # the connecting task writes what is queued once ready
+        link = self._link
+        if link is not None and not link.alive:
+            # Fails what it owes, then flushes again on a new connection.
+            self._link_failed(link, RedisConnectionError("connection lost"))
+            return
+        if link is None:
+            self._connecting = asyncio.create_task(self._connect_and_flush())
+            return
+        batches = self._batches()
+        if batches:
+            self._write(link, batches)
+
     async def _connect_and_flush(self) -> None:
         try:
-            connection = await self._connected()
+            link = await self._connected()
         except BaseException as error:
             failure = _as_exception(error)
             for batch in self._batches():
-                _fail_batch(batch, failure)
+                batch.fail(failure)
+            self._wake_idle_waiters()
             if not isinstance(error, Exception):
                 raise
             return
         batches = self._batches()
         if batches:
-            self._write(connection, batches)
+            self._write(link, batches)
 
-    def _write(self, connection: Any, batches: list[_Batch]) -> None:
-        packed = b"".join(batch.packed for batch in batches)
-        transport = connection._writer.transport
-        try:
-            connection._writer.write(packed)
-        except Exception as error:
-            self._lost(batches, error)
-            return
-        if transport.is_closing():
-            # The send failed (the transport closes itself): nothing is sure
-            # to be on its way.
-            self._lost(batches, RedisConnectionError("connection lost writing"))
-            return
-        self._awaiting.extend(batches)
-        if transport.get_write_buffer_size() == 0:
-            _written(batches)
-        else:
-            # The kernel's buffer is full: written once it took the rest.
-            asyncio.create_task(self._drained(connection, batches))  # noqa: RUF006
-        if not self._reader_due and (self._reader is None or self._reader.done()):
-            # Started after this turn: the writer (a task about to start)
-            # does not pay for creating it.
-            self._reader_due = True
-            asyncio.get_running_loop().call_soon(self._start_reader)
-
-    def _start_reader(self) -> None:
-        self._reader_due = False
-        connection = self._connection
-        # What is owed is owed on the current connection (a lost one failed
-        # its calls), and a reader still running reads it.
-        idle = self._reader is None or self._reader.done()
-        if self._awaiting and connection is not None and idle:
-            self._reader = asyncio.create_task(self._read(connection))
-
-    async def _drained(self, connection: Any, batches: list[_Batch]) -> None:
-        try:
-            await within(REPLY_MARGIN_S, connection._writer.drain())
-        except Exception as error:
-            for batch in batches:
-                for call in batch.calls:
-                    _fail(call.written, error)
-            await self._drop_connection()
-            return
-        _written(batches)
-
-    def _lost(self, batches: list[_Batch], error: Exception) -> None:
-        for batch in batches:
-            _fail_batch(batch, error)
-        connection, self._connection = self._connection, None
-        asyncio.create_task(self._release(self.pool, connection))  # noqa: RUF006
-
-    async def _connected(self) -> Any:
-        if self._connection is not None and _alive(self._connection):
-            return self._connection
-        await self._drop_connection()
+    async def _connected(self) -> _Link:
         assert self.pool is not None
         connection = await self.pool.get_connection()
-        transport = connection._writer.transport
-        # A write leaves nothing in asyncio's buffer unless the kernel's is
-        # full: then ``written`` waits for drain().
-        transport.set_write_buffer_limits(high=0, low=0)
-        self._connection = connection
-        self._replies = ReplyBuffer()
-        return connection
+        try:
+            transport = connection._writer.transport
+            if connection._reader.at_eof() or transport.is_closing():
+                raise RedisConnectionError("connection closed as it was handed out")
+            # From here its bytes come to _Link (nothing else reads this
+            # connection: it was handed out, handshake done, nothing owed).
+            link = _Link(self, connection, transport)
+            transport.set_protocol(link)
+            # A write leaves nothing in asyncio's buffer unless the kernel's
+            # is full: then the calls are written at resume_writing.
+            transport.set_write_buffer_limits(high=0, low=0)
+        except BaseException:
+            await self._release(connection)
+            raise
+        self._link = link
+        return link
 
-    async def _read(self, connection: Any) -> None:
-        """Read the replies owed; once none is, write what queued meanwhile:
-        one write in flight, so under load calls share writes (a start
-        waits at most one round trip) and idle each goes out at once."""
-        while self._awaiting and connection is self._connection:
+    def _write(self, link: _Link, batches: list[_Batch]) -> None:
+        packed = b"".join([batch.packed for batch in batches])
+        transport = link.transport
+        failure: Exception | None = None
+        try:
+            transport.write(packed)
+        except Exception as error:
+            failure = error
+        if failure is None and transport.is_closing():
+            # The send failed (the transport closes itself): nothing is sure
+            # to be on its way.
+            failure = RedisConnectionError("connection lost writing")
+        if failure is not None:
+            for batch in batches:
+                batch.fail(failure)
+            self._link_failed(link, failure)
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + REPLY_MARGIN_S
+        for batch in batches:
+            batch.due = due
+        self._awaiting.extend(batches)
+        if self._deadline is None:
+            self._deadline = loop.call_at(due, self._check_deadline)
+        if transport.get_write_buffer_size() == 0:
+            for batch in batches:
+                batch.written()
+        else:
+            # The kernel's buffer is full: written once it took the rest.
+            self._unwritten.extend(batches)
+
+    def _drained(self, link: _Link) -> None:
+        if link is self._link and link.transport.get_write_buffer_size() == 0:
+            unwritten, self._unwritten = self._unwritten, []
+            for batch in unwritten:
+                batch.written()
+
+    def _check_deadline(self) -> None:
+        """The oldest write owed must have its replies by its due time."""
+        self._deadline = None
+        if not self._awaiting or self._link is None:
+            return
+        loop = asyncio.get_running_loop()
+        due = self._awaiting[0].due
+        if due <= loop.time():
+            self._link_failed(
+                self._link,
+                RedisTimeoutError(f"no reply within {REPLY_MARGIN_S} s"),
+            )
+            return
+        self._deadline = loop.call_at(due, self._check_deadline)
+
+    def _received(self, link: _Link, data: bytes) -> None:
+        """Replies as they arrive: each batch settled once whole; once none
+        is owed, what queued meanwhile is written."""
+        if link is not self._link:
+            return
+        buffer = link.replies
+        buffer.feed(data)
+        awaiting = self._awaiting
+        partial = self._partial
+        while awaiting:
             try:
-                # One deadline for the replies owed so far.
-                await within(
-                    REPLY_MARGIN_S, self._read_replies(connection, len(self._awaiting))
-                )
-            except BaseException as error:
-                await self._drop_connection()
-                failure = _as_exception(error)
-                while self._awaiting:
-                    _fail_batch(self._awaiting.popleft(), failure)
-                if self._queued():
-                    self._flush()  # on a new connection
-                if not isinstance(error, Exception):
-                    raise
+                whole, reply = buffer.pop()
+            except Exception as error:  # a reply this parser cannot read
+                self._link_failed(link, error)
                 return
-            if not self._awaiting and self._queued():
-                self._flush()
-
-    async def _read_replies(self, connection: Any, count: int) -> None:
-        replies_read = self._replies
-        for _ in range(count):
-            batch = self._awaiting[0]
-            replies: list[Any] = []
-            while len(replies) < batch.replies:
-                whole, reply = replies_read.pop()
-                if whole:
-                    # An error reply is the server's answer: a value here.
-                    replies.append(reply)
-                    continue
-                # No deadline per read: one per batch (_read).
-                try:
-                    chunk = await connection._reader.read(_READ_SIZE)
-                except OSError as error:
-                    raise RedisConnectionError(
-                        f"Error while reading from the socket: {error}"
-                    ) from error
-                if not chunk:
-                    raise RedisConnectionError("Connection closed by server.")
-                replies_read.feed(chunk)
-            self._awaiting.popleft()
-            try:
-                outcome = batch.outcome(replies)
-            except Exception as error:
-                _fail_batch(batch, error)
+            if not whole:
+                break
+            # An error reply is the server's answer: a value here.
+            partial.append(reply)
+            batch = awaiting[0]
+            if len(partial) < batch.replies:
                 continue
-            batch.answered()
-            for call in batch.calls:
-                if not call.reply.done():
-                    call.reply.set_result(outcome)
+            awaiting.popleft()
+            batch.outcome(partial)
+            self._partial = partial = []
+        if not awaiting:
+            if not buffer.empty:
+                # Bytes nobody asked for: the replies no longer line up.
+                self._link_failed(link, RedisConnectionError("unexpected reply"))
+            elif self._may_write():
+                self._flush()
+            elif not self._queued():
+                self._wake_idle_waiters()
+
+    def _link_failed(self, link: _Link, error: Exception) -> None:
+        """``link`` is dead: every call owed on it fails, its connection goes
+        back to the pool disconnected, and what is queued goes on a new one."""
+        if link.closed:
+            return
+        link.closed = True
+        if link is self._link:
+            self._link = None
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._unwritten = []
+            self._partial = []
+            while self._awaiting:
+                self._awaiting.popleft().fail(error)
+        asyncio.get_running_loop().create_task(self._release(link.connection))
+        if self._queued() and not self._awaiting:
+            self._flush()  # on a new connection
+        elif not self._awaiting:
+            self._wake_idle_waiters()
+
+    async def _release(self, connection: Any) -> None:
+        if connection is not None and self.pool is not None:
+            # Disconnected before it goes back: what it still owes is unknown.
+            await connection.disconnect(nowait=True)
+            await self.pool.release(connection)
+
+    def _wake_idle_waiters(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def settled(self) -> None:
         """Every call written so far answered (or failed), bounded; acked
@@ -434,39 +609,10 @@ class PipelinedCalls:
         self._forget_due = bool(self._acked)
         if self._queued() and not self._awaiting:
             self._flush()
-        owed = [call.reply for batch in self._awaiting for call in batch.calls]
-        queued = [*self._starts.values(), *self._acks.values()]
-        owed += [call.reply for calls in queued for call in calls]
-        if owed:
-            await asyncio.wait(owed, timeout=REPLY_MARGIN_S)
-
-    async def _drop_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        await self._release(self.pool, connection)
-
-    @staticmethod
-    async def _release(pool: Any, connection: Any) -> None:
-        if connection is not None and pool is not None:
-            # Disconnected before it goes back: what it still owes is unknown.
-            await connection.disconnect(nowait=True)
-            await pool.release(connection)
-
-
-def _alive(connection: Any) -> bool:
-    """Connected, and the server has not closed its end: a restart's FIN is
-    seen here (asyncio reads it as it comes) though nobody read a reply since,
-    and a write on that connection would vanish."""
-    if not connection.is_connected:
-        return False
-    reader, writer = connection._reader, connection._writer
-    return not (reader.at_eof() or writer.transport.is_closing())
-
-
-def _written(batches: list[_Batch]) -> None:
-    for batch in batches:
-        for call in batch.calls:
-            if not call.written.done():
-                call.written.set_result(None)
+        if self._awaiting or self._queued():
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await asyncio.wait([waiter], timeout=REPLY_MARGIN_S)
 
 
 def _as_exception(error: BaseException) -> Exception:
@@ -475,15 +621,9 @@ def _as_exception(error: BaseException) -> Exception:
     return RuntimeError("the pipelined call was cancelled")
 
 
-def _fail_batch(batch: _Batch, error: Exception) -> None:
-    for call in batch.calls:
-        _fail(call.written, error)
-        _fail(call.reply, error)
-
-
 def _fail(future: asyncio.Future[Any], error: Exception) -> None:
     if not future.done():
         future.set_exception(error)
-        # Retrieved here: a start nobody awaits the reply of must not log
-        # "exception was never retrieved"; its owner logs it.
+        # Retrieved here: a call nobody awaits must not log "exception was
+        # never retrieved"; its owner logs it.
         future.exception()

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.utils import maybe_awaitable
 
+from benchmarks.counting_proxy import TurnCountingProxy
+from taskiq_atomic_claim import pipelined as pipelined_module
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.pipelined import FORGET_AFTER_S
+from taskiq_atomic_claim.pipelined import FORGET_AFTER_S, PipelinedCalls
 from taskiq_atomic_claim.receiver_hooks import StartRecorder
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
@@ -100,3 +103,78 @@ async def test_acks_made_together_go_out_as_one_xack(
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
+
+
+async def test_an_ack_held_for_company_goes_out_with_the_next_start(
+    server: Server, redis: Redis
+) -> None:
+    """One write for both: held alone, the ack would go out in a write of
+    its own ACK_AFTER_S later."""
+    await redis.delete("taskiq-held")
+    await redis.xgroup_create("taskiq-held", "g", id="0", mkstream=True)
+    entry_id = "1-1"
+    await redis.xadd("taskiq-held", {"data": b"x"}, id=entry_id)
+    await redis.xreadgroup("g", "c", {"taskiq-held": ">"})
+    if server.local is None:
+        pytest.skip("turns are counted by a proxy to a server this suite started")
+    async with TurnCountingProxy(server.local.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        try:
+            pipelined = PipelinedCalls(client)
+            # Connected first: the handshake's turns are not counted.
+            await asyncio.wait_for(pipelined.ack("none", "s", "g", "0-1", False), 5)
+            proxy.reset()
+            acked = asyncio.create_task(
+                pipelined.ack("taskiq-held", KEYS.started, "g", entry_id, False)
+            )
+            await asyncio.sleep(0)  # the ack is held
+            refused: list[Exception] = []
+            assert pipelined.start(KEYS.started, 60_000, "9-9", refused.append) is None
+            assert await asyncio.wait_for(acked, 5) == 1
+            # Counted before the acked counts are forgotten (FORGET_AFTER_S).
+            assert proxy.turns == 1
+            assert refused == []
+            assert await redis.hget(KEYS.started, "9-9") == b"1"
+        finally:
+            await client.aclose()
+
+
+async def test_starts_made_together_under_load_share_one_write(
+    server: Server, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start made within START_GATHER_S of the last write of starts waits
+    for company, even with no reply owed; the first of a lull goes at once
+    (in the kernel when ``start`` returns). The window is widened here so
+    the test does not race it."""
+    if server.local is None:
+        pytest.skip("turns are counted by a proxy to a server this suite started")
+    gather_s = 0.3
+    monkeypatch.setattr(pipelined_module, "START_GATHER_S", gather_s)
+    await redis.delete(KEYS.started)
+    async with TurnCountingProxy(server.local.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        try:
+            pipelined = PipelinedCalls(client)
+            # Connected first: the handshake's turns are not counted.
+            await asyncio.wait_for(pipelined.ack("none", "s", "g", "0-1", False), 5)
+            await asyncio.sleep(gather_s)
+            proxy.reset()
+            refused: list[Exception] = []
+            first_at = time.monotonic()
+            assert pipelined.start(KEYS.started, 60_000, "1-1", refused.append) is None
+            await asyncio.sleep(0.05)  # its reply is in: nothing is owed
+            later = [
+                pipelined.start(KEYS.started, 60_000, f"{n}-1", refused.append)
+                for n in range(2, 6)
+            ]
+            assert all(written is not None for written in later)
+            await asyncio.wait_for(asyncio.gather(*later), 5)  # type: ignore[arg-type]
+            assert time.monotonic() - first_at >= gather_s * 0.9
+            turns = proxy.turns
+            await pipelined.settled()  # and the first ack's count forgotten
+            assert turns == 2
+            assert refused == []
+            counts = await redis.hmget(KEYS.started, [f"{n}-1" for n in range(1, 6)])
+            assert counts == [b"1"] * 5
+        finally:
+            await client.aclose()
