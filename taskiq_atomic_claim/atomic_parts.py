@@ -124,6 +124,7 @@ class AtomicParts:
             settings.idle_timeout,
             positions,
             before_call=before_call,
+            direct=self.connection.owns_one_server_pool,
         )
         self.groups = ConsumerGroups(
             self.streams, group, broker.consumer_id, broker.mkstream, positions

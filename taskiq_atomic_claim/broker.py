@@ -131,9 +131,9 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
 
 class StandaloneConnection(Connection):
     """One server behind the parent's pool, which lives as long as the
-    broker: starts and acks go pipelined."""
+    broker: starts and acks go pipelined, reads are parsed here."""
 
-    pipelines = True
+    owns_one_server_pool = True
 
     def __init__(self, pool: ConnectionPool, queue_name: str) -> None:
         super().__init__(queue_name)

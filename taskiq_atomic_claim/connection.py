@@ -20,10 +20,11 @@ class Connection:
     """How an atomic broker reaches its server(s). What is defined here
     serves one server (standalone, Sentinel); Cluster redefines it."""
 
-    # Starts and acks may go pipelined over one connection of the listen
-    # client's pool (pipelined.py): only where that pool lives as long as
-    # the broker.
-    pipelines = False
+    # The listen client's pool reaches one server and lives as long as the
+    # broker: starts and acks go pipelined over one of its connections
+    # (pipelined.py), and reads are written and parsed here
+    # (reads.read_direct).
+    owns_one_server_pool = False
     # A server unreachable at startup is waited out by the listen loop
     # instead of failing the worker's start (Sentinel, Cluster).
     waits_out_startup = False

@@ -10,10 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from taskiq_atomic_claim.claim_schedule import BeforeCall, ClaimSchedule, no_check
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.reply_buffer import ReplyBuffer
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
+
+# Bytes asked of the socket per read: a whole batch of small tasks, usually.
+_READ_SIZE = 65536
 
 # (stream, entry id, fields, maybe reclaimed)
 ReadEntry = tuple[str, str, dict[Any, Any], bool]
@@ -32,6 +38,7 @@ class GroupReads:
         positions: GroupPositions,
         *,
         before_call: BeforeCall = no_check,
+        direct: bool = False,
     ) -> None:
         self.group = group
         self.consumer = consumer
@@ -43,6 +50,9 @@ class GroupReads:
         # default); reads, at least every xread_block, check for a replaced
         # master too.
         self.before_call = before_call
+        # One server behind a pool of the broker's: the read is written and
+        # its reply parsed here (``read_direct``), not by redis-py.
+        self.direct = direct
 
     async def read(
         self,
@@ -62,19 +72,76 @@ class GroupReads:
         block_ms = (
             (min(self.block_ms, until) if self.block_ms else until) if block else None
         )
-        extra = {"claim_min_idle_time": self.idle_timeout_ms} if claim else {}
-        fetched: Any = await client.xreadgroup(
-            self.group,
-            self.consumer,
-            read_from,
-            block=block_ms,
-            count=self.count,
-            **extra,
-        )
+        fetched: Any
+        if self.direct:
+            fetched = await read_direct(
+                client.connection_pool,
+                self._command(read_from, block_ms, claim),
+            )
+        else:
+            extra = {"claim_min_idle_time": self.idle_timeout_ms} if claim else {}
+            fetched = await client.xreadgroup(
+                self.group,
+                self.consumer,
+                read_from,
+                block=block_ms,
+                count=self.count,
+                **extra,
+            )
         read = read_entries(fetched)
         for stream, entry_id, _, _ in read:
             self.positions.advance(stream, entry_id)
         return read
+
+    def _command(
+        self, read_from: dict[str, Any], block_ms: int | None, claim: bool
+    ) -> list[Any]:
+        """XREADGROUP's arguments, in the order redis-py sends them."""
+        command: list[Any] = ["XREADGROUP", "GROUP", self.group, self.consumer]
+        if self.count is not None:
+            command += ["COUNT", self.count]
+        if block_ms is not None:
+            command += ["BLOCK", block_ms]
+        if claim:
+            command += ["CLAIM", self.idle_timeout_ms]
+        return [*command, "STREAMS", *read_from, *read_from.values()]
+
+
+async def read_direct(pool: Any, command: list[Any]) -> Any:
+    """One command on a connection of ``pool``, its reply parsed from whole
+    socket reads (``reply_buffer.py``): redis-py's parser awaits a stream
+    read per line, several per entry read, on every read of every worker.
+    An error reply is raised as redis-py raises it. A connection left in
+    an unknown state (cancelled, failed, more bytes than the reply) is
+    disconnected before it goes back."""
+    connection = await pool.get_connection()
+    clean = False
+    try:
+        await connection.send_packed_command(
+            connection.pack_command(*command), check_health=False
+        )
+        replies = ReplyBuffer()
+        while True:
+            whole, reply = replies.pop()
+            if whole:
+                break
+            try:
+                chunk = await connection._reader.read(_READ_SIZE)
+            except OSError as error:
+                raise RedisConnectionError(
+                    f"Error while reading from the socket: {error}"
+                ) from error
+            if not chunk:
+                raise RedisConnectionError("Connection closed by server.")
+            replies.feed(chunk)
+        clean = replies.empty
+    finally:
+        if not clean:
+            await connection.disconnect(nowait=True)
+        await pool.release(connection)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 class LuaPathReads:

@@ -202,7 +202,7 @@ class Listener:
             self.in_flight.add(stream, [entry_id])
 
     def _pipeline_over(self, client: ScriptClient) -> None:
-        if self.connection.pipelines and self.in_flight.pipelined is None:
+        if self.connection.owns_one_server_pool and self.in_flight.pipelined is None:
             pipelined = PipelinedCalls(client)
             if pipelined.available:
                 self.in_flight.pipelined = pipelined

@@ -44,6 +44,11 @@ class ReplyBuffer:
         self._data = self._data[self._pos :] + chunk
         self._pos = 0
 
+    @property
+    def empty(self) -> bool:
+        """Every byte fed was part of a reply taken out."""
+        return self._pos >= len(self._data)
+
     def pop(self) -> tuple[bool, Any]:
         """(True, the next reply), or (False, None) until more is fed."""
         while True:
