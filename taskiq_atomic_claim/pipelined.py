@@ -103,7 +103,7 @@ class _Batch:
     """Calls of one write sent as one set of commands (``packed``, RESP,
     ``replies`` of them), answered together."""
 
-    __slots__ = ("acks", "answered", "due", "in_kernel", "packed", "replies", "starts")
+    __slots__ = ("acks", "answered", "due", "packed", "replies", "starts")
 
     def __init__(
         self,
@@ -121,7 +121,6 @@ class _Batch:
         # Called once the acks' reply is a count, not an error.
         self.answered = answered
         self.due = 0.0  # the loop's time by which its replies must be in
-        self.in_kernel = False
 
     def outcome(self, replies: list[Any]) -> None:
         """Settle its calls from the commands' replies."""
@@ -146,15 +145,14 @@ class _Batch:
 
     def written(self) -> None:
         """In the kernel: on its way even if this process dies now."""
-        self.in_kernel = True
         for start in self.starts or ():
             start.in_kernel = True
             if start.written is not None and not start.written.done():
                 start.written.set_result(None)
 
     def fail(self, error: Exception) -> None:
-        """Not answered; written for sure only if ``in_kernel`` (then a start
-        hears of it as of a refusal: it may not have been counted)."""
+        """Not answered; a start already in the kernel hears of it as of a
+        refusal (it may not have been counted)."""
         for start in self.starts or ():
             if start.in_kernel:
                 start.on_refused(error)
