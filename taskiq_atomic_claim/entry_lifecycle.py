@@ -4,8 +4,8 @@ every transition, from its read to its ack or its other ends.
 - read (XREADGROUP or a claim): held (``add``), heartbeated, not yet handed
   to taskiq;
 - yielded: handed to taskiq's receiver by ``listen()`` as a message
-  (``deliverable``, then ``mark_yielded``); an entry taskiq cannot run (no
-  data field) is dead-lettered instead;
+  (``deliverable``); an entry taskiq cannot run (no data field) is
+  dead-lettered instead (``settle_undeliverable``);
 - loaded: the receiver's callback parsed its data (``loaded``; the
   formatter saw it), or could not (``unparsable``), or found no task of its
   name here (``unknown_task``);
@@ -179,40 +179,43 @@ class EntryLifecycle:
     def get(self, stream: str, entry_id: str) -> Delivery | None:
         return self._held.get((stream, entry_id))
 
-    def mark_yielded(self, stream: str, entry_id: str) -> None:
-        delivery = self._held.get((stream, entry_id))
-        if delivery is not None:
-            delivery.yielded = True
-
     # Read -> yielded.
 
-    async def deliverable(
-        self,
-        client: ScriptClient,
-        stream: str,
-        entry_id: str,
-        fields: dict[Any, Any],
+    def deliverable(
+        self, stream: str, entry_id: str, fields: dict[Any, Any]
     ) -> AckableMessage | None:
-        """The entry as a message; None if this consumer no longer holds it
-        (handed back, or taken by another consumer), or once an entry taskiq
-        cannot run (no ``data`` field: written by something else) is moved to
-        dead letters."""
+        """The entry as a message, marked yielded; None if this consumer no
+        longer holds it (handed back, or taken by another consumer) or it
+        has no ``data`` field (see ``settle_undeliverable``). Every entry's
+        path: no coroutine."""
         delivery = self._held.get((stream, entry_id))
         if delivery is None or delivery.yielded:
             # Handed back or taken by another consumer; or taken back from
             # ourselves by our own claim (a heartbeat came late) while taskiq
             # still runs it: yielding it again would run it twice.
             return None
-        data = fields.get(_DATA_FIELD, fields.get(_DATA_FIELD.decode()))
+        data = fields.get(_DATA_FIELD)
+        if data is None:
+            data = fields.get("data")  # decoded replies
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, bytes):
-            await self.dead_letter(client, delivery, NO_DATA_FIELD)
             return None
+        delivery.yielded = True
         return AckableMessage(
             data=EntryData(data, stream, entry_id),
             ack=self.tracked_ack(stream, entry_id),
         )
+
+    async def settle_undeliverable(
+        self, client: ScriptClient, stream: str, entry_id: str
+    ) -> None:
+        """After ``deliverable`` gave None: an entry still held and not
+        yielded has no ``data`` field (written by something else), which
+        taskiq cannot run: it goes to dead letters."""
+        delivery = self._held.get((stream, entry_id))
+        if delivery is not None and not delivery.yielded:
+            await self.dead_letter(client, delivery, NO_DATA_FIELD)
 
     # Yielded -> loaded, in the receiver's callback task.
 
@@ -249,36 +252,23 @@ class EntryLifecycle:
 
     async def starting(self) -> None:
         """In the receiver's callback task, before the task runs: a suspect
-        waits for its turn, then the start is recorded."""
-        delivery = self.of_current_task()
-        if delivery is not None:
+        waits for its turn, then the start is recorded. Every task passes
+        here: the usual case (no suspect, a pipelined start in the kernel
+        at once) makes no coroutine."""
+        task = asyncio.current_task()
+        delivery = None if task is None else self._by_task.get(task)
+        if delivery is None:
+            return
+        assert task is not None
+        if not self.suspects.took_turn(delivery, task):
             await self.suspects.wait_turn(delivery)
-            await self.record_start(self.connect, delivery)
-
-    async def record_start(self, connect: Connect, delivery: Delivery) -> None:
-        """Record on the server that the entry's task starts, before it runs.
-
-        Starts arriving while a call is under way wait and go together in
-        the next call (one per stream).
-        """
         if self.settings.max_deliveries == 0 or delivery.started:
             return  # nothing counts crashes: no key, no round trip
-        if self.pipelined is not None:
-            await self._pipeline_start(delivery)
+        if self.pipelined is None:
+            await self._awaited_start(delivery)
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
-        if self._start_flush is None or self._start_flush.done():
-            self._start_flush = asyncio.create_task(self._flush_starts(connect))
-        try:
-            await waiter
-        except Exception as error:
-            _start_not_recorded(delivery, error)
-
-    async def _pipeline_start(self, delivery: Delivery) -> None:
-        """Written, not answered: once the kernel has it, the start reaches
-        the server even if this process dies right after."""
-        assert self.pipelined is not None
+        # Written, not answered: once the kernel has it, the start reaches
+        # the server even if this process dies right after.
         written = self.pipelined.start(
             self.keys(delivery.stream).started,
             self.started_ttl,
@@ -292,6 +282,18 @@ class EntryLifecycle:
                 _start_not_recorded(delivery, error)
                 return
         delivery.started = True
+
+    async def _awaited_start(self, delivery: Delivery) -> None:
+        """Without a pipeline (Cluster): starts arriving while a call is
+        under way wait and go together in the next call (one per stream)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
+        if self._start_flush is None or self._start_flush.done():
+            self._start_flush = asyncio.create_task(self._flush_starts(self.connect))
+        try:
+            await waiter
+        except Exception as error:
+            _start_not_recorded(delivery, error)
 
     async def _flush_starts(self, connect: Connect) -> None:
         # Let the callbacks scheduled beside this one reach their start too.

@@ -270,11 +270,14 @@ class PipelinedCalls:
         fails: not written). ``on_refused`` hears of a written start the
         server refused or whose reply was lost."""
         call = _Start(entry_id, on_refused)
-        self._starts.setdefault((started, ttl_ms), []).append(call)
-        if not self._awaiting and self._may_write():
-            # Nothing owed, no start written just now: written at once, so
-            # a start costs its task no turn of the loop. Else it waits for
-            # the replies owed or for company (START_GATHER_S).
+        if not (self._awaiting or self._starts or self._acks or self._forget_due):
+            self._write_lone_start(call, started, ttl_ms)
+        else:
+            self._starts.setdefault((started, ttl_ms), []).append(call)
+        # Queued: written now if nothing is owed and no start was written
+        # just now, else once the replies owed are in or its company
+        # gathered (START_GATHER_S).
+        if self._starts and not self._awaiting and self._may_write():
             self._flush()
         if call.in_kernel:
             return None
@@ -282,6 +285,26 @@ class PipelinedCalls:
         if call.error is not None:
             _fail(future, call.error)
         return future
+
+    def _write_lone_start(self, call: _Start, started: str, ttl_ms: int) -> None:
+        """A start with nothing queued or owed beside it (a worker whose
+        tasks come further apart than ``START_GATHER_S``): written at once,
+        without the general path's batching; else queued, to gather."""
+        link = self._link
+        now = asyncio.get_running_loop().time()
+        if (
+            link is None
+            or not link.alive
+            or now < self._last_start_write + START_GATHER_S
+        ):
+            self._starts[(started, ttl_ms)] = [call]
+            return
+        self._last_start_write = now
+        end, end_replies = self._start_end(started, ttl_ms)
+        head, tail = self._count_frame(started)
+        data = call.entry_id.encode()
+        packed = b"%s%s$%d\r\n%s\r\n%s%s" % (_MULTI, head, len(data), data, tail, end)
+        self._write(link, [_Batch(packed, 2 + end_replies, starts=[call])])
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
@@ -366,17 +389,21 @@ class PipelinedCalls:
     def _pack_counts(self, started: str, entry_ids: list[str]) -> bytes:
         """Each entry's ``count_start_command``, packed: only the id differs
         from one to the next."""
+        head, tail = self._count_frame(started)
+        return b"".join(
+            b"%s$%d\r\n%s\r\n%s" % (head, len(data), data, tail)
+            for data in (entry_id.encode() for entry_id in entry_ids)
+        )
+
+    def _count_frame(self, started: str) -> tuple[bytes, bytes]:
+        """``count_start_command`` packed around its entry id."""
         around = self._count_frames.get(started)
         if around is None:
             head, _, tail = self._pack([count_start_command(started, "")]).rpartition(
                 b"$0\r\n\r\n"
             )
             around = self._count_frames[started] = (head, tail)
-        head, tail = around
-        return b"".join(
-            b"%s$%d\r\n%s\r\n%s" % (head, len(data), data, tail)
-            for data in (entry_id.encode() for entry_id in entry_ids)
-        )
+        return around
 
     def _pack(self, commands: list[Command]) -> bytes:
         """RESP for ``commands``: short arguments only (ids, keys, numbers),

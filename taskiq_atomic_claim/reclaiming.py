@@ -137,9 +137,13 @@ class Listener:
                 for stream, entry_id, _ in batch:
                     self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
+                    message = self.in_flight.deliverable(stream, entry_id, fields)
+                    if message is not None:
+                        yield message
+                        continue
                     try:
-                        message = await self.in_flight.deliverable(
-                            client, stream, entry_id, fields
+                        await self.in_flight.settle_undeliverable(
+                            client, stream, entry_id
                         )
                     except Exception as error:
                         if not is_outage(error):
@@ -148,10 +152,6 @@ class Listener:
                         # it is reclaimed and tried again.
                         self.in_flight.discard(stream, entry_id)
                         await outage.wait(error)
-                        continue
-                    if message is not None:
-                        self.in_flight.mark_yielded(stream, entry_id)
-                        yield message
 
     async def _wait_out(
         self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool

@@ -47,6 +47,18 @@ class SuspectsRunAlone:
         self._suspects: deque[asyncio.Future[None]] = deque()
         self._others: deque[asyncio.Future[None]] = deque()
 
+    def took_turn(self, delivery: Delivery, task: asyncio.Task[Any]) -> bool:
+        """The turn of ``delivery`` (run by ``task``) taken at once if it
+        is no suspect and may start now: every task's path, without a
+        coroutine. False: ``wait_turn`` decides."""
+        if not self.threshold:
+            return True
+        if delivery.crashes >= self.threshold or self._alone or self._suspects:
+            return False
+        self._running += 1
+        task.add_done_callback(self._ended)
+        return True
+
     async def wait_turn(self, delivery: Delivery) -> None:
         """In the asyncio task about to run ``delivery``'s task: wait until
         it may start."""

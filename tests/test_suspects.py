@@ -27,7 +27,13 @@ class Worker:
         release = self.releases[name] = asyncio.Event()
 
         async def run() -> None:
-            await self.gate.wait_turn(Delivery("s", name, 0.0, crashes=crashes))
+            # As EntryLifecycle.starting takes a turn: at once when it may,
+            # else waiting for it.
+            delivery = Delivery("s", name, 0.0, crashes=crashes)
+            task = asyncio.current_task()
+            assert task is not None
+            if not self.gate.took_turn(delivery, task):
+                await self.gate.wait_turn(delivery)
             self.running.add(name)
             try:
                 await release.wait()
