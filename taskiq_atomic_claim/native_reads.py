@@ -93,7 +93,7 @@ class NativePathReads:
         read = await self.reads.read(
             client, read_from, next_claim, claim=claim, block=block
         )
-        if claim:
+        if claim and any(maybe_reclaimed for _, _, _, maybe_reclaimed in read):
             return await self._screen_reclaimed(client, read)
         return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
 
