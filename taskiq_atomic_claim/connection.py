@@ -23,7 +23,7 @@ class Connection:
     # The listen client's pool reaches one server and lives as long as the
     # broker: starts and acks go pipelined over one of its connections
     # (pipelined.py), and reads are written and parsed here
-    # (reads.read_direct).
+    # (reads.DirectReader).
     owns_one_server_pool = False
     # A server unreachable at startup is waited out by the listen loop
     # instead of failing the worker's start (Sentinel, Cluster).

@@ -51,8 +51,9 @@ class GroupReads:
         # master too.
         self.before_call = before_call
         # One server behind a pool of the broker's: the read is written and
-        # its reply parsed here (``read_direct``), not by redis-py.
+        # its reply parsed here (``DirectReader``), not by redis-py.
         self.direct = direct
+        self._reader: DirectReader | None = None
 
     async def read(
         self,
@@ -74,10 +75,10 @@ class GroupReads:
         )
         fetched: Any
         if self.direct:
-            fetched = await read_direct(
-                client.connection_pool,
-                self._command(read_from, block_ms, claim),
-            )
+            reader = self._reader
+            if reader is None or reader.pool is not client.connection_pool:
+                reader = self._reader = DirectReader(client.connection_pool)
+            fetched = await reader.call(self._command(read_from, block_ms, claim))
         else:
             extra = {"claim_min_idle_time": self.idle_timeout_ms} if claim else {}
             fetched = await client.xreadgroup(
@@ -107,41 +108,52 @@ class GroupReads:
         return [*command, "STREAMS", *read_from, *read_from.values()]
 
 
-async def read_direct(pool: Any, command: list[Any]) -> Any:
-    """One command on a connection of ``pool``, its reply parsed from whole
-    socket reads (``reply_buffer.py``): redis-py's parser awaits a stream
-    read per line, several per entry read, on every read of every worker.
-    An error reply is raised as redis-py raises it. A connection left in
-    an unknown state (cancelled, failed, more bytes than the reply) is
-    disconnected before it goes back."""
-    connection = await pool.get_connection()
-    clean = False
-    try:
-        await connection.send_packed_command(
-            connection.pack_command(*command), check_health=False
-        )
-        replies = ReplyBuffer()
-        while True:
-            whole, reply = replies.pop()
-            if whole:
-                break
-            try:
-                chunk = await connection._reader.read(_READ_SIZE)
-            except OSError as error:
-                raise RedisConnectionError(
-                    f"Error while reading from the socket: {error}"
-                ) from error
-            if not chunk:
-                raise RedisConnectionError("Connection closed by server.")
-            replies.feed(chunk)
-        clean = replies.empty
-    finally:
-        if not clean:
-            await connection.disconnect(nowait=True)
-        await pool.release(connection)
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
+class DirectReader:
+    """Commands on one connection of ``pool``, kept from one to the next (a
+    consumer reads one at a time), their replies parsed from whole socket
+    reads (``reply_buffer.py``): redis-py's parser awaits a stream read per
+    line, several per entry read, and its pool's hand-out and release run
+    listeners and metrics, on every read of every worker. An error reply is
+    raised as redis-py raises it. A connection left in an unknown state
+    (cancelled, failed, more bytes than the reply) is disconnected and
+    given back; the next command takes another."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._connection: Any = None
+
+    async def call(self, command: list[Any]) -> Any:
+        connection = self._connection
+        if connection is None:
+            connection = self._connection = await self.pool.get_connection()
+        clean = False
+        try:
+            await connection.send_packed_command(
+                connection.pack_command(*command), check_health=False
+            )
+            replies = ReplyBuffer()
+            while True:
+                whole, reply = replies.pop()
+                if whole:
+                    break
+                try:
+                    chunk = await connection._reader.read(_READ_SIZE)
+                except OSError as error:
+                    raise RedisConnectionError(
+                        f"Error while reading from the socket: {error}"
+                    ) from error
+                if not chunk:
+                    raise RedisConnectionError("Connection closed by server.")
+                replies.feed(chunk)
+            clean = replies.empty
+        finally:
+            if not clean:
+                self._connection = None
+                await connection.disconnect(nowait=True)
+                await self.pool.release(connection)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
 
 class LuaPathReads:

@@ -1,4 +1,4 @@
-"""The standalone broker's reads (``reads.read_direct``): the XREADGROUP
+"""The standalone broker's reads (``reads.DirectReader``): the XREADGROUP
 written and its reply parsed by the package, against what redis-py's own
 ``xreadgroup`` makes of the same server's replies, on every server, RESP2
 and RESP3; errors raised as redis-py raises them; a connection whose state
@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.group_recovery import GroupPositions
-from taskiq_atomic_claim.reads import GroupReads, read_direct, read_entries
+from taskiq_atomic_claim.reads import DirectReader, GroupReads, read_entries
 from tests.conftest import Server
 
 STREAMS = ("direct-a", "direct-b")
@@ -103,9 +103,9 @@ async def test_an_error_reply_is_raised_as_redis_py_raises_it(
     try:
         with pytest.raises(ResponseError) as theirs:
             await client.xreadgroup("nogroup", "c", {"direct-missing": ">"})
+        reader = DirectReader(client.connection_pool)
         with pytest.raises(ResponseError) as ours:
-            await read_direct(
-                client.connection_pool,
+            await reader.call(
                 [
                     "XREADGROUP",
                     "GROUP",
@@ -118,8 +118,11 @@ async def test_an_error_reply_is_raised_as_redis_py_raises_it(
             )
         assert type(ours.value) is type(theirs.value)
         assert str(ours.value) == str(theirs.value)
-        # The connection answered in full: it goes back usable.
-        assert await client.ping()
+        # The connection answered in full: it stays, usable.
+        held = reader._connection
+        assert held is not None
+        assert await reader.call(["PING"]) == b"PONG"
+        assert reader._connection is held
     finally:
         await client.aclose()
 
@@ -132,11 +135,10 @@ async def test_a_read_cancelled_while_blocked_leaves_no_connection_owing_a_reply
     client = Redis.from_url(server.admin_url)
     try:
         pool = client.connection_pool
+        reader = DirectReader(pool)
         command = ["XREADGROUP", "GROUP", "g", "c", "BLOCK", 0, "STREAMS"]
         # Nothing new: it blocks until cancelled.
-        blocked = asyncio.create_task(
-            read_direct(pool, [*command, "direct-empty", ">"])
-        )
+        blocked = asyncio.create_task(reader.call([*command, "direct-empty", ">"]))
         await asyncio.sleep(0.2)
         blocked.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -147,14 +149,31 @@ async def test_a_read_cancelled_while_blocked_leaves_no_connection_owing_a_reply
         await asyncio.sleep(0.3)
         await redis.xadd("direct-empty", {"data": b"late"})
         assert await asyncio.wait_for(client.get("direct-nothing"), 5) is None
+        # The reader's next read goes on another connection.
         fetched = await asyncio.wait_for(
-            read_direct(
-                pool,
-                [*command[:4], "COUNT", 100, "STREAMS", "direct-empty", ">"],
-            ),
+            reader.call([*command[:4], "COUNT", 100, "STREAMS", "direct-empty", ">"]),
             5,
         )
         # The cancelled read took nothing: the entry is still new.
         assert [f[b"data"] for _, _, f, _ in read_entries(fetched)] == [b"late"]
+    finally:
+        await client.aclose()
+
+
+async def test_the_reader_keeps_one_connection_from_one_read_to_the_next(
+    server: Server, redis: Redis
+) -> None:
+    await fill(redis)
+    client = Redis.from_url(server.admin_url)
+    try:
+        pool = client.connection_pool
+        reads = group_reads(direct=True, count=1)
+        seen = set()
+        for _ in range(3):
+            await reads.read(client, dict.fromkeys(STREAMS, ">"), time.monotonic() + 1)
+            seen.add(id(reads._reader._connection))  # type: ignore[union-attr]
+        # Not handed back and out again per read: one connection, in use.
+        assert len(seen) == 1
+        assert len(pool._in_use_connections) == 1
     finally:
         await client.aclose()
