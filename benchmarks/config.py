@@ -174,11 +174,11 @@ class Mode:
     throughput_messages: int = 10_000
     throughput_reps: int = 5
     # The hot path: tasks drained per repetition, repetitions, tasks drained
-    # through the turn-counting proxy, light-load tasks per repetition.
+    # through the turn-counting proxy, light-load tasks per variant.
     hotpath_tasks: int = 20_000
     hotpath_reps: int = 3
     hotpath_rt_tasks: int = 3000
-    hotpath_light: int = 200
+    hotpath_light: int = 1500
     # Mass recovery: orphans left by dead consumers, a live
     # fleet of workers x slots running tasks of task_s, new tasks kicked at a
     # steady rate; each broker's run is cut at mass_cap_s.
@@ -247,7 +247,7 @@ QUICK = Mode(
     hotpath_tasks=5000,
     hotpath_reps=2,
     hotpath_rt_tasks=1000,
-    hotpath_light=100,
+    hotpath_light=300,
     mass_orphans=2000,
     # With 0.1 s tasks, 10 slots run 100 tasks/s per worker, as a default
     # worker's 100 slots do with the full run's 1 s tasks (floor 5 s).

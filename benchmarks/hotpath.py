@@ -16,9 +16,13 @@ rotates every repetition), medians reported:
 - round trips per task: a smaller drain with the worker connected through
   the turn-counting proxy (every connection it opens), counted from its
   first read to the end;
-- light load: after the drain, one task every 20 ms to the now idle
-  worker, kick-to-start delay (the task's wall clock minus the kick's), p50
-  and p99 over every repetition's tasks.
+- light load: after the drains, one idle worker per variant, all at
+  once, each on its own queue; every 20 ms a round kicks one task to each,
+  spread evenly over the round in an order that rotates every round, so
+  every variant meets the same machine at the same moments (a variant
+  measured in a window of its own met another machine: the ratio moved by
+  more than its distance from 1.0 between runs). Kick-to-start delay (the
+  task's wall clock minus the kick's), p50 and p99, after a warm-up.
 
 ``before``: a source tree (``git archive`` of an older commit) to run as
 one more variant, "atomic@before", in the same run.
@@ -64,6 +68,7 @@ _KINDS = {
 _SLOTS = "32"
 _POLL_S = 0.02
 _LIGHT_EVERY_S = 0.02
+_LIGHT_WARMUP = 50
 # Not the worker's per-task work: its startup, the harness's polling.
 _NOT_HOT = {
     "xinfo", "xpending", "config", "info", "ping", "client", "hello", "xgroup",
@@ -220,31 +225,27 @@ async def _server_cpu(admin: Redis) -> float:
 
 async def _drain(
     variant: str, url: str, mode: Any, before: Path | None, rep: int
-) -> tuple[dict[str, Any], list[float]]:
-    """The drain's figures; then, the same worker idle, the light load's
-    kick-to-start delays (ms)."""
+) -> dict[str, Any]:
+    """The drain's figures."""
     tasks = mode.hotpath_tasks
     queue = f"bench-hotpath-{variant}-{rep}"
     await _prepare(url, queue, tasks)
     admin = Redis.from_url(url)
     await admin.config_resetstat()
-    with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
-        worker = _worker(variant, url, queue, before, out.name)
-        try:
-            deadline = time.monotonic() + 60 + tasks / 200
-            await _wait_first_read(admin, queue, deadline)
-            began, cpu0 = time.monotonic(), _cpu_s(worker.pid)
-            server0 = await _server_cpu(admin)
-            await _wait_drained(admin, queue, deadline)
-            wall, cpu1 = time.monotonic() - began, _cpu_s(worker.pid)
-            server1 = await _server_cpu(admin)
-            stats = stat_bases(await admin.info("commandstats"))
-            await _light(admin, queue, mode.hotpath_light, Path(out.name))
-        finally:
-            _stop(worker)
-            await admin.delete(queue)
-            await admin.aclose()
-        delays = Path(out.name).read_text().split()  # noqa: ASYNC240
+    worker = _worker(variant, url, queue, before)
+    try:
+        deadline = time.monotonic() + 60 + tasks / 200
+        await _wait_first_read(admin, queue, deadline)
+        began, cpu0 = time.monotonic(), _cpu_s(worker.pid)
+        server0 = await _server_cpu(admin)
+        await _wait_drained(admin, queue, deadline)
+        wall, cpu1 = time.monotonic() - began, _cpu_s(worker.pid)
+        server1 = await _server_cpu(admin)
+        stats = stat_bases(await admin.info("commandstats"))
+    finally:
+        _stop(worker)
+        await admin.delete(queue)
+        await admin.aclose()
     figures = {
         "drain_s": wall,
         "tasks_per_s": tasks / wall,
@@ -253,7 +254,7 @@ async def _drain(
         "server_cpu_usec_per_task": (server1 - server0) / tasks * 1e6,
     }
     hot = {k: v for k, v in stats.items() if k not in _NOT_HOT}
-    return figures | {"commandstats": hot}, [float(line) * 1000 for line in delays]
+    return figures | {"commandstats": hot}
 
 
 @contextlib.contextmanager
@@ -303,23 +304,62 @@ async def _round_trips(
     return turns / tasks
 
 
-async def _light(admin: Redis, queue: str, tasks: int, out: Path) -> None:
-    """One task every 20 ms to the idle worker; each appends its delay to
-    ``out``."""
-    deadline = time.monotonic() + 30 + tasks * _LIGHT_EVERY_S
-    # Idle: its read blocks.
+async def _light(
+    url: str, names: list[str], before: Path | None, tasks: int
+) -> dict[str, list[float]]:
+    """Kick-to-start delays (ms) per variant: one idle worker each, kicked
+    in turn (see the module's docstring); the first ``_LIGHT_WARMUP``
+    tasks of each are left out (a new worker's first calls)."""
+    queues = {v: f"bench-hotpath-light-{v}" for v in names}
+    admin = Redis.from_url(url)
+    with contextlib.ExitStack() as files:
+        outs = {
+            v: Path(files.enter_context(tempfile.NamedTemporaryFile("r")).name)
+            for v in names
+        }
+        workers = []
+        try:
+            for variant in names:
+                await _prepare(url, queues[variant], 0)
+                workers.append(
+                    _worker(variant, url, queues[variant], before, str(outs[variant]))
+                )
+            rounds = _LIGHT_WARMUP + tasks
+            deadline = time.monotonic() + 60 + rounds * _LIGHT_EVERY_S * 2
+            await _wait_all_idle(admin, len(names), deadline)
+            gap = _LIGHT_EVERY_S / len(names)
+            for turn in range(rounds):
+                order = names[turn % len(names) :] + names[: turn % len(names)]
+                for variant in order:
+                    kicked = time.monotonic()
+                    message = _message("bench.timed", [time.time()])
+                    await admin.xadd(queues[variant], {"data": message})
+                    await asyncio.sleep(max(0.0, kicked + gap - time.monotonic()))
+            while time.monotonic() < deadline:
+                if all(len(out.read_text().split()) >= rounds for out in outs.values()):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            for worker in workers:
+                _stop(worker)
+            await admin.delete(*queues.values())
+            await admin.aclose()
+        return {
+            v: [float(line) * 1000 for line in out.read_text().split()][_LIGHT_WARMUP:]
+            for v, out in outs.items()
+        }
+
+
+async def _wait_all_idle(admin: Redis, workers: int, deadline: float) -> None:
+    """Every worker's read blocks (a consumer is not listed in its group
+    before its first entry on Redis 7.0), then a second more for their
+    startup's one-off calls."""
     while time.monotonic() < deadline:
-        if int((await admin.info("clients"))["blocked_clients"]) > 0:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)  # past the drain's last acks
-    for _ in range(tasks):
-        await admin.xadd(queue, {"data": _message("bench.timed", [time.time()])})
-        await asyncio.sleep(_LIGHT_EVERY_S)
-    while time.monotonic() < deadline:
-        if len(out.read_text().split()) >= tasks:  # noqa: ASYNC240
+        if int((await admin.info("clients"))["blocked_clients"]) >= workers:
+            await asyncio.sleep(1.0)
             return
         await asyncio.sleep(0.05)
+    raise RuntimeError("the light load's workers never went idle")
 
 
 def _summary(variant: str, drains: list[dict[str, Any]]) -> dict[str, Any]:
@@ -337,15 +377,14 @@ def run(
 ) -> dict[str, Any]:
     names = variants(before)
     drains: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
-    light: dict[str, list[float]] = {v: [] for v in names}
     for rep in range(mode.hotpath_reps):
         # Rotate who goes first, so none always runs on a warmer server.
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for variant in order:
             log(f"hotpath: drain {mode.hotpath_tasks} tasks, {variant}, rep {rep + 1}")
-            figures, delays = asyncio.run(_drain(variant, url, mode, before, rep))
-            drains[variant].append(figures)
-            light[variant].extend(delays)
+            drains[variant].append(asyncio.run(_drain(variant, url, mode, before, rep)))
+    log(f"hotpath: light load, {mode.hotpath_light} tasks to each variant in turn")
+    light = asyncio.run(_light(url, names, before, mode.hotpath_light))
     rows = []
     for variant in names:
         log(f"hotpath: round trips, {variant}")
@@ -369,7 +408,8 @@ def run(
             "tasks": mode.hotpath_tasks,
             "reps": mode.hotpath_reps,
             "round_trip_tasks": mode.hotpath_rt_tasks,
-            "light_tasks_per_rep": mode.hotpath_light,
+            "light_tasks": mode.hotpath_light,
+            "light_warmup": _LIGHT_WARMUP,
             "light_every_ms": _LIGHT_EVERY_S * 1000,
             "max_async_tasks": int(_SLOTS),
             "max_prefetch": int(_SLOTS),

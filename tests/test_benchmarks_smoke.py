@@ -158,6 +158,12 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         calls = row["calls"]
         assert {"drop_trimmed", "claim", "XAUTOCLAIM", "set_idle", "ack"} <= set(calls)
         assert all(f["longest_ms"] >= f["p50_ms"] >= 0 for f in calls.values())
+    hotpath = results["hotpath"]
+    light = hotpath["settings"]["light_tasks"]
+    for row in hotpath["rows"]:
+        # Every variant's worker got its share of the light load's turns.
+        assert row["light_tasks"] == light, row["variant"]
+        assert row["light_p99_ms"] >= row["light_p50_ms"] > 0
     kicked = results["kicks"]
     assert {row["variant"] for row in kicked["rows"]} <= set(kicks.VARIANTS)
     assert all(row["kicks_per_s"] > 0 for row in kicked["rows"])
