@@ -50,7 +50,7 @@ from redis.asyncio import Redis
 from benchmarks.config import REPO_ROOT
 from benchmarks.counting_proxy import TurnCountingProxy
 from benchmarks.server_cpu import stat_bases
-from benchmarks.stats import p50, percentile, ratio
+from benchmarks.stats import p50, percentile, ratio, rotated
 
 UPSTREAM = "upstream_1_2_4"
 ATOMIC = "atomic"
@@ -329,8 +329,7 @@ async def _light(
             await _wait_all_idle(admin, len(names), deadline)
             gap = _LIGHT_EVERY_S / len(names)
             for turn in range(rounds):
-                order = names[turn % len(names) :] + names[: turn % len(names)]
-                for variant in order:
+                for variant in rotated(names, turn):
                     kicked = time.monotonic()
                     message = _message("bench.timed", [time.time()])
                     await admin.xadd(queues[variant], {"data": message})
@@ -378,9 +377,8 @@ def run(
     names = variants(before)
     drains: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
     for rep in range(mode.hotpath_reps):
-        # Rotate who goes first, so none always runs on a warmer server.
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for variant in order:
+        # None always runs first, on a warmer or colder server.
+        for variant in rotated(names, rep):
             log(f"hotpath: drain {mode.hotpath_tasks} tasks, {variant}, rep {rep + 1}")
             drains[variant].append(asyncio.run(_drain(variant, url, mode, before, rep)))
     log(f"hotpath: light load, {mode.hotpath_light} tasks to each variant in turn")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from benchmarks.stats import p50, percentile
+from benchmarks.stats import p50, percentile, rotated
 from benchmarks.variants import Claimer
 
 HandBack = Callable[[list[str]], Awaitable[None]]
@@ -70,8 +70,7 @@ async def measure(
     deadline = time.monotonic() + max_seconds
     blocks = -(-cycles // _BLOCK)
     for block in range(blocks):
-        shift = block % len(subjects)
-        for subject in subjects[shift:] + subjects[:shift]:
+        for subject in rotated(subjects, block):
             for _ in range(min(_BLOCK, cycles - block * _BLOCK)):
                 await _one(subject, samples[subject.name])
         if time.monotonic() > deadline:
