@@ -28,6 +28,7 @@ from taskiq import TaskiqMiddleware
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.server_calls import raise_if_cancel_was_swallowed
 
 # One XPENDING call per group: idle times come from at most this many entries.
 PEL_SCAN_LIMIT = 1000
@@ -362,4 +363,7 @@ class ServerGauges(TaskiqMiddleware):
                 if self._problem is not None:
                     logger.warning("server gauges read again")
                 self._problem = None
+            # Else a shutdown's cancel swallowed by redis-py sleeps on here
+            # and the shutdown waits for ever.
+            raise_if_cancel_was_swallowed()
             await asyncio.sleep(next_gap(self.interval, time.monotonic() - started))

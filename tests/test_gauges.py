@@ -4,6 +4,7 @@ under a real workload, served by taskiq's PrometheusMiddleware from a real
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import urllib.request
@@ -24,6 +25,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import COUNTERS
 from tests.conftest import Server, acl_log_entries, server_command, with_user
 from tests.test_oom import until
+from tests.test_reliability import cancel_swallowing_connection
 
 GROUP = "taskiq"
 USER = "tac-gauges-worker"
@@ -141,3 +143,32 @@ async def test_a_worker_exports_every_gauge_at_zero_then_they_move(
         log = acl_log_entries(await server_command(redis, "ACL", "LOG"))
         await server_command(redis, "ACL", "DELUSER", USER)
     assert [entry for entry in log if entry["username"] == USER] == []
+
+
+async def test_a_cancel_swallowed_inside_a_reading_still_stops_the_gauges(
+    server: Server, redis: Redis, queue: str
+) -> None:
+    connection_class, swallowed = cancel_swallowing_connection()
+    broker = AtomicRedisStreamBroker(
+        server.url, queue_name=queue, connection_class=connection_class
+    )
+    broker.is_worker_process = True
+    gauges = ServerGauges(interval=0.05)
+    broker.add_middlewares(gauges)
+    await broker.startup()
+    try:
+        # The server holds every command for a second: the next reading
+        # waits in its read, where the shutdown's cancel lands.
+        await server_command(redis, "CLIENT", "PAUSE", "1000", "ALL")
+        await asyncio.sleep(0.3)
+        stopping = asyncio.ensure_future(gauges.shutdown())
+        # The reading ends once the pause does; then the loop must stop.
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert swallowed, "the cancel did not land in a read: nothing was tested"
+        # Without the guard the loop sleeps on and the shutdown waits forever.
+        assert done
+    finally:
+        await server_command(redis, "CLIENT", "UNPAUSE")
+        if not stopping.done():
+            stopping.cancel()
+        await broker.shutdown()
