@@ -12,7 +12,7 @@ claim step under MONITOR and compares its commands with ``UpstreamClaimer``'s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -85,6 +85,28 @@ def _claim_step(
     ]
 
 
+def _noop(task_id: str) -> BrokerMessage:
+    return BrokerMessage(
+        task_id=task_id, task_name="bench.noop", message=b"{}", labels={}
+    )
+
+
+async def _next_within(messages: AsyncGenerator[Any, None], seconds: float) -> Any:
+    """The generator's next item, or an error after ``seconds``.
+
+    Never cancels the generator: on Python 3.11 redis-py (socket_timeout
+    set, as 8.2 does by default) sends each command inside ``wait_for``,
+    which swallows a cancel that lands as the send completes (CPython
+    gh-86296); 1.2.4's ``listen()`` then reads on for ever and whoever
+    awaits the cancel waits with it.
+    """
+    step = asyncio.ensure_future(messages.__anext__())
+    done, _ = await asyncio.wait({step}, timeout=seconds)
+    if not done:
+        raise RuntimeError(f"taskiq-redis listen() gave nothing within {seconds} s")
+    return step.result()
+
+
 async def upstream_fidelity(port: int, arguments: BrokerArguments) -> dict[str, Any]:
     """The real 1.2.4 claim step next to ``UpstreamClaimer``'s, under MONITOR."""
     url = f"redis://127.0.0.1:{port}"
@@ -102,17 +124,14 @@ async def upstream_fidelity(port: int, arguments: BrokerArguments) -> dict[str, 
         await admin.delete(stream, replica_stream)
         await broker.startup()
         with Monitor(port) as monitor:
-            await broker.kick(
-                BrokerMessage(
-                    task_id="1", task_name="bench.noop", message=b"{}", labels={}
-                )
-            )
             messages = broker.listen()
-            await asyncio.wait_for(messages.__anext__(), 10)
-            # The claim step runs when the next message is asked for; the
-            # read after it then blocks for xread_block and returns nothing.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(messages.__anext__(), 0.3)
+            await broker.kick(_noop("1"))
+            await _next_within(messages, 10)
+            # The claim step runs when the next message is asked for, before
+            # the read that returns the second one: the generator is never
+            # cancelled mid-call (see _next_within).
+            await broker.kick(_noop("2"))
+            await _next_within(messages, 10)
             await messages.aclose()
             observed = await asyncio.to_thread(monitor.stop)
         real = _claim_step(observed, None)
