@@ -37,6 +37,7 @@ from benchmarks import (
     safety,
     scale,
     throughput,
+    watchdog,
 )
 from benchmarks.config import MODES, REGIMES
 from taskiq_atomic_claim.harness.embedded_server import (
@@ -206,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     safety.install()
     started = time.monotonic()
+    stall = watchdog.Watchdog(mode.stall_limit_s)
+    stall.start()
 
     def log(message: str) -> None:
+        stall.progress()
         print(
             f"[{time.monotonic() - started:6.1f} s] {message}",
             file=sys.stderr,
@@ -272,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                     server.url, server.port, mode, log, args.hotpath_before
                 )
     finally:
+        stall.stop()
         if path is not None:
             path.close()
         safety.run_all()

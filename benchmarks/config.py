@@ -212,6 +212,10 @@ class Mode:
     # Kick throughput, with and without IDMP: kicks per variant and run.
     kick_messages: int = 20_000
     kick_reps: int = 3
+    # The longest a run may go without a progress line before the watchdog
+    # prints its stacks and stops it: above the longest silent step (a mass
+    # recovery capped at mass_cap_s).
+    stall_limit_s: float = 900.0
 
     def claimers_for(self, regime: str) -> tuple[int, ...]:
         return self.regime_claimers.get(regime, self.claimers)
@@ -294,6 +298,8 @@ SMOKE = Mode(
     # No round-trip drain: the smoke run stays short.
     hotpath_rt_tasks=0,
     hotpath_light=5,
+    # The whole smoke run takes under a minute.
+    stall_limit_s=120.0,
     mass_orphans=300,
     mass_dead=3,
     mass_workers=2,
