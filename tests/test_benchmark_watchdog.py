@@ -9,6 +9,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 _STUCK = """
 import asyncio
 from benchmarks.watchdog import Watchdog
@@ -30,14 +42,7 @@ except KeyboardInterrupt:
 
 
 def test_a_stalled_run_prints_the_stuck_await_and_stops() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _STUCK],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _python(_STUCK)
     assert "stopped by the watchdog" in done.stdout, done.stderr
     assert "no progress for 1 s" in done.stderr
     # The coroutine stack names the await that never returned.
@@ -59,13 +64,6 @@ print("finished")
 
 
 def test_a_run_that_keeps_reporting_progress_is_left_alone() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _BUSY],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _python(_BUSY)
     assert done.stdout.strip() == "finished", done.stderr
     assert "watchdog" not in done.stderr

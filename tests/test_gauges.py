@@ -156,6 +156,7 @@ async def test_a_cancel_swallowed_inside_a_reading_still_stops_the_gauges(
     gauges = ServerGauges(interval=0.05)
     broker.add_middlewares(gauges)
     await broker.startup()
+    stopping: asyncio.Future[None] | None = None
     try:
         # The server holds every command for a second: the next reading
         # waits in its read, where the shutdown's cancel lands.
@@ -169,6 +170,6 @@ async def test_a_cancel_swallowed_inside_a_reading_still_stops_the_gauges(
         assert done
     finally:
         await server_command(redis, "CLIENT", "UNPAUSE")
-        if not stopping.done():
+        if stopping is not None and not stopping.done():
             stopping.cancel()
         await broker.shutdown()
