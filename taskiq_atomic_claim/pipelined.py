@@ -18,6 +18,16 @@ between a task's start record and the task. ``start`` returns None when
 the write is in the kernel already (the usual case: no future, no await),
 else a future for it. An ack waits for its reply.
 
+A start written alone (an idle worker's) is corked (Linux TCP_CORK, plain
+TCP): its send only queues the bytes, and the loop's next turn, after the
+task's first step, pushes them. Sending at once would run the server's side
+of loopback TCP and wake the server, which then often takes this CPU
+before the task runs (about 90 us per task, measured at light load).
+Corked bytes are still in the kernel: a killed process's socket closes with
+a FIN that sends them first (nothing is owed on the connection, so no
+unread reply turns that close into a reset that drops them), and the
+kernel sends them within 200 ms even if a task blocks the loop.
+
 The connection is redis-py's (made by its pool: authentication, RESP
 version, database, TLS), taken over once connected: its transport talks to
 this module's protocol, so replies are parsed (``reply_buffer.py``) and
@@ -36,7 +46,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +85,8 @@ START_GATHER_S = 0.001
 
 
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+
+_TCP_CORK: int | None = getattr(socket, "TCP_CORK", None)
 
 # Called with the error when a start's reply refuses it (out of memory).
 OnRefused = Callable[[Exception], None]
@@ -193,6 +207,25 @@ class _Link(asyncio.Protocol):
         self.inner = transport.get_protocol()
         self.replies = ReplyBuffer()
         self.closed = False
+        self.socket = _corkable_socket(transport)
+
+    def cork(self) -> bool:
+        """Hold what is written next in the kernel until ``uncork``; False
+        where that cannot be done (not plain TCP on Linux)."""
+        if self.socket is None or _TCP_CORK is None:
+            return False
+        try:
+            self.socket.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
+        except OSError:
+            return False
+        return True
+
+    def uncork(self) -> None:
+        """Send what is held."""
+        if self.socket is not None and _TCP_CORK is not None:
+            # Closed meanwhile: the link's failure fails what was owed.
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
 
     def data_received(self, data: bytes) -> None:
         if not self.closed:
@@ -223,6 +256,17 @@ class _Link(asyncio.Protocol):
         """Not closed, and the server has not closed its end: a restart's
         FIN is seen here at once, and a write after it would vanish."""
         return not (self.closed or self.transport.is_closing())
+
+
+def _corkable_socket(transport: Any) -> Any:
+    """The transport's socket where corking it works as the module's
+    docstring says: plain TCP (no TLS layer between); else None."""
+    if transport.get_extra_info("sslcontext") is not None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return sock
 
 
 class PipelinedCalls:
@@ -304,7 +348,10 @@ class PipelinedCalls:
         head, tail = self._count_frame(started)
         data = call.entry_id.encode()
         packed = b"%s%s$%d\r\n%s\r\n%s%s" % (_MULTI, head, len(data), data, tail, end)
+        corked = link.cork()  # see the module's docstring
         self._write(link, [_Batch(packed, 2 + end_replies, starts=[call])])
+        if corked:
+            asyncio.get_running_loop().call_soon(link.uncork)
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool

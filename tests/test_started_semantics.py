@@ -63,6 +63,11 @@ class Queue:
     def keys(self) -> StreamKeys:
         return StreamKeys(self.name, "taskiq")
 
+    @property
+    def runs_file(self) -> Path:
+        """Where the instant poison notes each run."""
+        return self.log_dir / "instant-poison-runs.txt"
+
     def worker(
         self,
         name: str,
@@ -72,6 +77,7 @@ class Queue:
     ) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
+            "TAC_TEST_RUNS_FILE": str(self.runs_file),
             "TAC_TEST_RESULTS_URL": results_url,
             "PYTHONPATH": str(REPO),
             "TAC_TEST_URL": self.url,
@@ -271,6 +277,33 @@ async def test_a_task_that_kills_its_worker_at_once_is_counted(
         assert len(dead) == 1
         assert dead[0].reason == "max_deliveries exceeded"
         assert dead[0].deliveries == 2
+        assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
+
+
+async def test_an_idle_workers_task_that_kills_it_at_once_is_counted(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # A worker that ran a task before and sits idle writes its next start
+    # alone, corked: held in the kernel, pushed when the loop next turns,
+    # which this task never lets happen. The kernel sends it as the killed
+    # process's socket closes: counted once, the poison runs once.
+    async with fresh_queue(server, redis, tmp_path, max_deliveries=1) as queue:
+        await queue.kick(TASK_NAME, "warm-up", 0)
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("w", "--max-async-tasks", "1"))
+            assert "warm-up" in await queue.wait_until_finished({"warm-up"}, 60)
+            # Its ack answered and its count forgotten: nothing owed.
+            await asyncio.sleep(1.5)
+            await queue.kick(INSTANT_POISON_TASK, "instant")
+            deadline = time.monotonic() + 60
+            while not (dead := await queue.dead_letters(redis)):
+                assert time.monotonic() < deadline, "never dead-lettered"
+                await asyncio.sleep(0.2)
+            stop_gracefully(workers[-1])
+        assert queue.runs_file.read_text().split() == ["instant"], "ran uncounted"
+        assert len(dead) == 1
+        assert dead[0].reason == "max_deliveries exceeded"
+        assert dead[0].deliveries == 1
         assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
 
 

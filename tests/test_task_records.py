@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import time
 
 import pytest
+import redis as sync_redis
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.utils import maybe_awaitable
@@ -79,6 +82,67 @@ async def test_an_idle_workers_start_costs_its_task_no_turn_of_the_loop(
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
+
+
+async def lone_start(server: Server) -> tuple[PipelinedCalls, Redis, socket.socket]:
+    """A connected pipeline with nothing owed and no start written lately
+    (so the next start is written alone), and its socket."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TCP_CORK is Linux's")
+    client = Redis.from_url(server.url)
+    pipelined = PipelinedCalls(client)
+    await asyncio.wait_for(pipelined.ack("none", "s", "g", "0-1", False), 5)
+    await asyncio.sleep(pipelined_module.START_GATHER_S * 2)
+    link = pipelined._link
+    assert link is not None
+    sock = link.transport.get_extra_info("socket")
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        await client.aclose()
+        pytest.skip("corking is for TCP")
+    return pipelined, client, sock
+
+
+def corked(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK))
+
+
+async def test_an_idle_workers_start_is_pushed_once_its_task_has_begun(
+    server: Server, redis: Redis
+) -> None:
+    """Written alone, a start is held in the kernel (corked: its send does
+    not wake the server before the task runs) until the loop next turns,
+    after the task's first step; then it goes out."""
+    pipelined, client, sock = await lone_start(server)
+    try:
+        refused: list[Exception] = []
+        assert pipelined.start(KEYS.started, 60_000, "1-1", refused.append) is None
+        assert corked(sock)
+        await asyncio.sleep(0)
+        assert not corked(sock)
+        await pipelined.settled()
+        assert refused == []
+        assert await redis.hget(KEYS.started, "1-1") == b"1"
+    finally:
+        await client.aclose()
+
+
+async def test_a_held_start_goes_out_while_its_task_blocks_the_loop(
+    server: Server, redis: Redis
+) -> None:
+    """A task that never lets the loop turn (stuck in sync code) still has
+    its start counted: the kernel sends corked bytes within 200 ms."""
+    pipelined, client, sock = await lone_start(server)
+    try:
+        assert pipelined.start(KEYS.started, 60_000, "2-1", print) is None
+        assert corked(sock)
+        with sync_redis.Redis.from_url(server.admin_url) as observer:
+            deadline = time.monotonic() + 5
+            while observer.hget(KEYS.started, "2-1") is None:
+                assert time.monotonic() < deadline, "held while the loop was blocked"
+                time.sleep(0.02)  # noqa: ASYNC251  the task blocking the loop
+        await pipelined.settled()
+    finally:
+        await client.aclose()
 
 
 async def xack_calls(redis: Redis) -> int:
