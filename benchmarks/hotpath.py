@@ -80,7 +80,8 @@ _NOT_HOT = {
 _OUTER = {"xreadgroup", "fcall", "evalsha", "eval", "fcall_ro", "multi", "exec"}
 # Sent outside any script or transaction: by this package since its start and
 # ack are plain commands (their HINCRBY and PEXPIRE run inside EXEC), by
-# taskiq-redis (its XACK). In the before tree they ran inside functions.
+# taskiq-redis (its XACK). A before tree older than that ran them inside
+# functions (see ``_server_usec``).
 _PLAIN = {"xack", "xackdel", "hdel"}
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -209,12 +210,19 @@ async def _wait_drained(admin: Redis, queue: str, deadline: float) -> None:
     raise RuntimeError("not drained in time")
 
 
-def _server_usec(stats: dict[str, tuple[int, int]], variant: str) -> float:
+def _server_usec(
+    stats: dict[str, tuple[int, int]], variant: str, before: Path | None
+) -> float:
     """Outer commands' usec (see ``_OUTER``). The claim's HDEL of a crashed
     entry's count runs inside its script and is counted twice: rare, and
     only against this package. What the other brokers' lock scripts and
-    transactions run is inside their EVALSHA and EXEC."""
-    outer = _OUTER if variant == BEFORE else _OUTER | _PLAIN
+    transactions run is inside their EVALSHA and EXEC. A before tree sends
+    its start and ack as plain commands if it has ``task_records.py``."""
+    plain = variant != BEFORE or (
+        before is not None
+        and (before / "taskiq_atomic_claim" / "task_records.py").exists()
+    )
+    outer = _OUTER | _PLAIN if plain else _OUTER
     return float(sum(usec for name, (_, usec) in stats.items() if name in outer))
 
 
@@ -250,7 +258,7 @@ async def _drain(
         "drain_s": wall,
         "tasks_per_s": tasks / wall,
         "worker_cpu_per_1k_s": (cpu1 - cpu0) / tasks * 1000,
-        "server_usec_per_task": _server_usec(stats, variant) / tasks,
+        "server_usec_per_task": _server_usec(stats, variant, before) / tasks,
         "server_cpu_usec_per_task": (server1 - server0) / tasks * 1e6,
     }
     hot = {k: v for k, v in stats.items() if k not in _NOT_HOT}
