@@ -213,7 +213,7 @@ class _Link(asyncio.Protocol):
     def cork(self) -> bool:
         """Hold what is written next in the kernel until ``uncork``; False
         where that cannot be done (not plain TCP on Linux)."""
-        if self.socket is None or _TCP_CORK is None:
+        if self.socket is None:
             return False
         try:
             self.socket.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 1)
@@ -223,7 +223,7 @@ class _Link(asyncio.Protocol):
 
     def uncork(self) -> None:
         """Send what is held."""
-        if self.socket is not None and _TCP_CORK is not None:
+        if self.socket is not None:
             # Closed meanwhile: the link's failure fails what was owed.
             with contextlib.suppress(OSError):
                 self.socket.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, 0)
@@ -261,8 +261,8 @@ class _Link(asyncio.Protocol):
 
 def _corkable_socket(transport: Any) -> Any:
     """The transport's socket where corking it works as the module's
-    docstring says: plain TCP (no TLS layer between); else None."""
-    if transport.get_extra_info("sslcontext") is not None:
+    docstring says: plain TCP on Linux (no TLS layer between); else None."""
+    if _TCP_CORK is None or transport.get_extra_info("sslcontext") is not None:
         return None
     sock = transport.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -336,7 +336,8 @@ class PipelinedCalls:
         tasks come further apart than ``START_GATHER_S``): written at once,
         without the general path's batching; else queued, to gather."""
         link = self._link
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if (
             link is None
             or not link.alive
@@ -352,7 +353,7 @@ class PipelinedCalls:
         corked = link.cork()  # see the module's docstring
         self._write(link, [_Batch(packed, 2 + end_replies, starts=[call])])
         if corked:
-            asyncio.get_running_loop().call_soon(link.uncork)
+            loop.call_soon(link.uncork)
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
