@@ -50,7 +50,7 @@ from redis.asyncio import Redis
 from benchmarks.config import REPO_ROOT
 from benchmarks.counting_proxy import TurnCountingProxy
 from benchmarks.server_cpu import stat_bases
-from benchmarks.stats import p50, percentile, ratio, rotated
+from benchmarks.stats import p50, paired_ratio_interval, percentile, ratio, rotated
 
 UPSTREAM = "upstream_1_2_4"
 ATOMIC = "atomic"
@@ -410,6 +410,7 @@ def run(
         row["light_p99_ms"] = round(percentile(light[variant], 99), 3)
         rows.append(row)
     return {
+        "light_intervals": _light_intervals(light),
         "settings": {
             "tasks": mode.hotpath_tasks,
             "reps": mode.hotpath_reps,
@@ -422,6 +423,22 @@ def run(
             "xread_count": int(_SLOTS),
         },
         "rows": rows,
+    }
+
+
+def _light_intervals(light: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The light-load ratios' 95% intervals (atomic / upstream, rounds
+    resampled: ``stats.paired_ratio_interval``): how far one run's ratio
+    can be trusted."""
+    if ATOMIC not in light or UPSTREAM not in light:
+        return {}
+    mine, theirs = light[ATOMIC], light[UPSTREAM]
+    return {
+        key: [round(x, 3) for x in paired_ratio_interval(mine, theirs, stat)]
+        for key, stat in (
+            ("light_p50_ms", p50),
+            ("light_p99_ms", lambda xs: percentile(xs, 99)),
+        )
     }
 
 
@@ -442,6 +459,7 @@ def targets(part: dict[str, Any] | None) -> list[dict[str, Any]]:
         return []
     rows = {r["variant"]: r for r in part["rows"]}
     mine, theirs = rows.get(ATOMIC), rows.get(UPSTREAM)
+    intervals = part.get("light_intervals", {})
     out = []
     for key, label, goal, higher in GOALS:
         measured = float("nan")
@@ -459,10 +477,18 @@ def targets(part: dict[str, Any] | None) -> list[dict[str, Any]]:
                 "goal": f"{'>=' if higher else '<='} {goal}",
                 "result": "not measured" if ok is None else "PASS" if ok else "MISS",
                 "note": f"medians: atomic {mine[key] if mine else '-'},"
-                f" upstream {theirs[key] if theirs else '-'}",
+                f" upstream {theirs[key] if theirs else '-'}"
+                + _interval_note(intervals.get(key)),
             }
         )
     return out
+
+
+def _interval_note(interval: list[float] | None) -> str:
+    if not interval:
+        return ""
+    low, high = interval
+    return f"; 95% interval {low:.2f}-{high:.2f} (rounds resampled)"
 
 
 COLUMNS = (

@@ -164,6 +164,9 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         # Every variant's worker got its share of the light load's turns.
         assert row["light_tasks"] == light, row["variant"]
         assert row["light_p99_ms"] >= row["light_p50_ms"] > 0
+    intervals = hotpath["light_intervals"]
+    assert set(intervals) == {"light_p50_ms", "light_p99_ms"}
+    assert all(0 < low <= high for low, high in intervals.values())
     kicked = results["kicks"]
     assert {row["variant"] for row in kicked["rows"]} <= set(kicks.VARIANTS)
     assert all(row["kicks_per_s"] > 0 for row in kicked["rows"])
