@@ -281,6 +281,7 @@ class PipelinedCalls:
         # start of it, packed once (a start is on every task's path).
         self._start_ends: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._count_frames: dict[str, tuple[bytes, bytes]] = {}
+        self._lone_frames: dict[tuple[str, int], tuple[bytes, bytes, int]] = {}
         # Starts first in a write (see _batches): by target, then the entry.
         self._starts: dict[tuple[str, int], list[_Start]] = {}
         self._acks: dict[tuple[str, str, str, bool], list[tuple[str, Any]]] = {}
@@ -316,7 +317,8 @@ class PipelinedCalls:
         server refused or whose reply was lost."""
         call = _Start(entry_id, on_refused)
         if not (self._awaiting or self._starts or self._acks or self._forget_due):
-            self._write_lone_start(call, started, ttl_ms)
+            if self._write_lone_start(call, started, ttl_ms):
+                return None
         else:
             self._starts.setdefault((started, ttl_ms), []).append(call)
         # Queued: written now if nothing is owed and no start was written
@@ -331,10 +333,12 @@ class PipelinedCalls:
             _fail(future, call.error)
         return future
 
-    def _write_lone_start(self, call: _Start, started: str, ttl_ms: int) -> None:
+    def _write_lone_start(self, call: _Start, started: str, ttl_ms: int) -> bool:
         """A start with nothing queued or owed beside it (a worker whose
         tasks come further apart than ``START_GATHER_S``): written at once,
-        without the general path's batching; else queued, to gather."""
+        without the general path's batching; else queued, to gather. True
+        once it is in the kernel. Its task waits for nothing else: what can
+        wait for the task's first step (the push, the deadline) does."""
         link = self._link
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -344,16 +348,24 @@ class PipelinedCalls:
             or now < self._last_start_write + START_GATHER_S
         ):
             self._starts[(started, ttl_ms)] = [call]
-            return
+            return False
         self._last_start_write = now
-        end, end_replies = self._start_end(started, ttl_ms)
-        head, tail = self._count_frame(started)
+        head, tail, replies = self._lone_frame(started, ttl_ms)
         data = call.entry_id.encode()
-        packed = b"%s%s$%d\r\n%s\r\n%s%s" % (_MULTI, head, len(data), data, tail, end)
+        packed = b"%s$%d\r\n%s\r\n%s" % (head, len(data), data, tail)
         corked = link.cork()  # see the module's docstring
-        self._write(link, [_Batch(packed, 2 + end_replies, starts=[call])])
+        self._write(link, [_Batch(packed, replies, starts=[call])], deadline=not corked)
         if corked:
-            loop.call_soon(link.uncork)
+            loop.call_soon(self._push, link)
+        return call.in_kernel
+
+    def _push(self, link: _Link) -> None:
+        """Send a lone start held in the kernel; its deadline runs from now."""
+        link.uncork()
+        if self._deadline is None and self._awaiting and link is self._link:
+            self._deadline = asyncio.get_running_loop().call_at(
+                self._awaiting[0].due, self._check_deadline
+            )
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
@@ -423,6 +435,20 @@ class PipelinedCalls:
                 batches.append(_Batch(packed, 1))
         self._forget_due = False
         return batches
+
+    def _lone_frame(self, started: str, ttl_ms: int) -> tuple[bytes, bytes, int]:
+        """A lone start's transaction packed around its entry id, and how
+        many replies it has: built once per (started hash, ttl)."""
+        frame = self._lone_frames.get((started, ttl_ms))
+        if frame is None:
+            end, end_replies = self._start_end(started, ttl_ms)
+            head, tail = self._count_frame(started)
+            frame = self._lone_frames[(started, ttl_ms)] = (
+                _MULTI + head,
+                tail + end,
+                2 + end_replies,  # MULTI's, the count's QUEUED; the end's
+            )
+        return frame
 
     def _start_end(self, started: str, ttl_ms: int) -> tuple[bytes, int]:
         """The start transaction's end, packed, and how many replies it has."""
@@ -557,7 +583,11 @@ class PipelinedCalls:
         self._link = link
         return link
 
-    def _write(self, link: _Link, batches: list[_Batch]) -> None:
+    def _write(
+        self, link: _Link, batches: list[_Batch], *, deadline: bool = True
+    ) -> None:
+        """Write ``batches``; without ``deadline`` the caller arms the
+        deadline timer (``_push``)."""
         packed = b"".join([batch.packed for batch in batches])
         transport = link.transport
         failure: Exception | None = None
@@ -579,7 +609,7 @@ class PipelinedCalls:
         for batch in batches:
             batch.due = due
         self._awaiting.extend(batches)
-        if self._deadline is None:
+        if deadline and self._deadline is None:
             self._deadline = loop.call_at(due, self._check_deadline)
         if transport.get_write_buffer_size() == 0:
             for batch in batches:

@@ -7,10 +7,12 @@ import asyncio
 import socket
 import sys
 import time
+from urllib.parse import urlsplit
 
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import TaskiqMessage
 from taskiq.utils import maybe_awaitable
 
@@ -22,6 +24,7 @@ from taskiq_atomic_claim.receiver_hooks import StartRecorder
 from tests.conftest import Server
 from tests.receiver import start_as_the_receiver_does
 from tests.test_broker import message
+from tests.test_faults import FreezingProxy, via
 from tests.test_reliability import started
 
 KEYS = StreamKeys("taskiq", "taskiq")
@@ -145,6 +148,32 @@ async def test_a_held_start_goes_out_while_its_task_blocks_the_loop(
         assert refused == []
     finally:
         await client.aclose()
+
+
+async def test_a_lone_start_never_answered_fails_its_connection(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A corked start's reply deadline is armed when it is pushed, after
+    its task's first step: a connection that went half-open still fails
+    within the margin, and the start hears it may not have counted."""
+    monkeypatch.setattr(pipelined_module, "REPLY_MARGIN_S", 0.3)
+    upstream = urlsplit(server.admin_url).port
+    assert upstream is not None
+    async with FreezingProxy(upstream) as proxy:
+        client = Redis.from_url(via(server.url, proxy.port))
+        try:
+            pipelined = PipelinedCalls(client)
+            await asyncio.wait_for(pipelined.ack("none", "s", "g", "0-1", False), 5)
+            # The ack's deadline timer has run out: none is armed.
+            await asyncio.sleep(0.5)
+            proxy.freeze()
+            refused: list[Exception] = []
+            assert pipelined.start(KEYS.started, 60_000, "3-1", refused.append) is None
+            await asyncio.sleep(1.0)
+            assert [type(error) for error in refused] == [RedisTimeoutError]
+            assert pipelined._link is None  # failed, replaced at the next write
+        finally:
+            await client.aclose()
 
 
 async def xack_calls(redis: Redis) -> int:
