@@ -23,7 +23,9 @@ TCP): its send only queues the bytes, and the loop's next turn, after the
 task's first step, pushes them. Sending at once would run the server's side
 of loopback TCP and wake the server, which then often takes this CPU
 before the task runs (stamps inside a worker at light load: a lone
-start's call took 111 us, 99 of them its write; corked, 39 us).
+start's call took 111 us, 99 of them its write; corked, 39 us). Its
+reply deadline is armed at that push too: nothing waits for the task that
+can wait for its first step.
 Corked bytes are still in the kernel: a killed process's socket closes with
 a FIN that sends them first (nothing is owed on the connection, so no
 unread reply turns that close into a reset that drops them), and the
