@@ -24,8 +24,8 @@ task's first step, pushes them. Sending at once would run the server's side
 of loopback TCP and wake the server, which then often takes this CPU
 before the task runs (stamps inside a worker at light load: a lone
 start's call took 111 us, 99 of them its write; corked, 39 us). Its
-reply deadline is armed at that push too: nothing waits for the task that
-can wait for its first step.
+reply deadline's timer is armed at that push too: what can wait for the
+task's first step does.
 Corked bytes are still in the kernel: a killed process's socket closes with
 a FIN that sends them first (nothing is owed on the connection, so no
 unread reply turns that close into a reset that drops them), and the
@@ -362,7 +362,8 @@ class PipelinedCalls:
         return call.in_kernel
 
     def _push(self, link: _Link) -> None:
-        """Send a lone start held in the kernel; its deadline runs from now."""
+        """Send a lone start held in the kernel and arm the deadline timer
+        (its due still counts from the write)."""
         link.uncork()
         if self._deadline is None and self._awaiting and link is self._link:
             self._deadline = asyncio.get_running_loop().call_at(
