@@ -23,9 +23,7 @@ TCP): its send only queues the bytes, and the loop's next turn, after the
 task's first step, pushes them. Sending at once would run the server's side
 of loopback TCP and wake the server, which then often takes this CPU
 before the task runs (stamps inside a worker at light load: a lone
-start's call took 111 us, 99 of them its write; corked, 39 us). Its
-reply deadline's timer is armed at that push too: what can wait for the
-task's first step does.
+start's call took 111 us, 99 of them its write; corked, 39 us).
 Corked bytes are still in the kernel: a killed process's socket closes with
 a FIN that sends them first (nothing is owed on the connection, so no
 unread reply turns that close into a reset that drops them), and the
@@ -339,8 +337,7 @@ class PipelinedCalls:
         """A start with nothing queued or owed beside it (a worker whose
         tasks come further apart than ``START_GATHER_S``): written at once,
         without the general path's batching; else queued, to gather. True
-        once it is in the kernel. Its task waits for nothing else: what can
-        wait for the task's first step (the push, the deadline) does."""
+        once it is in the kernel."""
         link = self._link
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -356,19 +353,10 @@ class PipelinedCalls:
         data = call.entry_id.encode()
         packed = b"%s$%d\r\n%s\r\n%s" % (head, len(data), data, tail)
         corked = link.cork()  # see the module's docstring
-        self._write(link, [_Batch(packed, replies, starts=[call])], deadline=not corked)
+        self._write(link, [_Batch(packed, replies, starts=[call])])
         if corked:
-            loop.call_soon(self._push, link)
+            loop.call_soon(link.uncork)
         return call.in_kernel
-
-    def _push(self, link: _Link) -> None:
-        """Send a lone start held in the kernel and arm the deadline timer
-        (its due still counts from the write)."""
-        link.uncork()
-        if self._deadline is None and self._awaiting and link is self._link:
-            self._deadline = asyncio.get_running_loop().call_at(
-                self._awaiting[0].due, self._check_deadline
-            )
 
     async def ack(
         self, stream: str, started: str, group: str, entry_id: str, delete_acked: bool
@@ -586,11 +574,7 @@ class PipelinedCalls:
         self._link = link
         return link
 
-    def _write(
-        self, link: _Link, batches: list[_Batch], *, deadline: bool = True
-    ) -> None:
-        """Write ``batches``; without ``deadline`` the caller arms the
-        deadline timer (``_push``)."""
+    def _write(self, link: _Link, batches: list[_Batch]) -> None:
         packed = b"".join([batch.packed for batch in batches])
         transport = link.transport
         failure: Exception | None = None
@@ -612,7 +596,7 @@ class PipelinedCalls:
         for batch in batches:
             batch.due = due
         self._awaiting.extend(batches)
-        if deadline and self._deadline is None:
+        if self._deadline is None:
             self._deadline = loop.call_at(due, self._check_deadline)
         if transport.get_write_buffer_size() == 0:
             for batch in batches:

@@ -153,9 +153,9 @@ async def test_a_held_start_goes_out_while_its_task_blocks_the_loop(
 async def test_a_lone_start_never_answered_fails_its_connection(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A corked start's reply deadline is armed when it is pushed, after
-    its task's first step: a connection that went half-open still fails
-    within the margin, and the start hears it may not have counted."""
+    """A corked start has a reply deadline like any write: a connection
+    that went half-open fails within the margin, and the start hears it
+    may not have counted."""
     monkeypatch.setattr(pipelined_module, "REPLY_MARGIN_S", 0.3)
     upstream = urlsplit(server.admin_url).port
     assert upstream is not None
