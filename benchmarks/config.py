@@ -297,7 +297,8 @@ SMOKE = Mode(
     hotpath_reps=1,
     # No round-trip drain: the smoke run stays short.
     hotpath_rt_tasks=0,
-    hotpath_light=5,
+    # Two sets of light-load workers (hotpath._LIGHT_MIN_PER_PROCESS each).
+    hotpath_light=100,
     # The whole smoke run takes under a minute.
     stall_limit_s=120.0,
     mass_orphans=300,

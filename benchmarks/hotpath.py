@@ -21,8 +21,13 @@ rotates every repetition), medians reported:
   spread evenly over the round in an order that rotates every round, so
   every variant meets the same machine at the same moments (a variant
   measured in a window of its own met another machine: the ratio moved by
-  more than its distance from 1.0 between runs). Kick-to-start delay (the
-  task's wall clock minus the kick's), p50 and p99, after a warm-up.
+  more than its distance from 1.0 between runs). The load is split over
+  several sets of fresh workers, one set after the other, each started in
+  a rotated order: a worker process keeps a speed of its own (identical
+  workers differ by more than the gaps measured here), so one process per
+  variant would measure its process. Kick-to-start delay (the task's wall
+  clock minus the kick's), p50 and p99 of all sets pooled, after a warm-up
+  per worker; the ratios' intervals resample the sets and their rounds.
 
 ``before``: a source tree (``git archive`` of an older commit) to run as
 one more variant, "atomic@before", in the same run.
@@ -69,6 +74,13 @@ _SLOTS = "32"
 _POLL_S = 0.02
 _LIGHT_EVERY_S = 0.02
 _LIGHT_WARMUP = 50
+# The light load runs on this many sets of fresh worker processes (fewer
+# where each would get under _LIGHT_MIN_PER_PROCESS tasks): a process keeps
+# a speed of its own for its whole life (four taskiq-redis workers in one
+# run, identical code: p50s up to 1.7% apart, p99s up to 4%), so one
+# process per variant measures its process as much as its code.
+_LIGHT_PROCESSES = 5
+_LIGHT_MIN_PER_PROCESS = 50
 # Not the worker's per-task work: its startup, the harness's polling.
 _NOT_HOT = {
     "xinfo", "xpending", "config", "info", "ping", "client", "hello", "xgroup",
@@ -312,12 +324,29 @@ async def _round_trips(
     return turns / tasks
 
 
-async def _light(
+def _light(
+    url: str, names: list[str], before: Path | None, tasks: int
+) -> dict[str, list[list[float]]]:
+    """Kick-to-start delays (ms) per variant, one list per worker process:
+    the load split over ``_LIGHT_PROCESSES`` sets of fresh workers, one
+    after the other, each set started in an order that rotates (see the
+    module's docstring)."""
+    sets = max(1, min(_LIGHT_PROCESSES, tasks // _LIGHT_MIN_PER_PROCESS))
+    delays: dict[str, list[list[float]]] = {v: [] for v in names}
+    for n in range(sets):
+        share = tasks // sets + (1 if n < tasks % sets else 0)
+        measured = asyncio.run(_light_set(url, rotated(names, n), before, share))
+        for variant in names:
+            delays[variant].append(measured[variant])
+    return delays
+
+
+async def _light_set(
     url: str, names: list[str], before: Path | None, tasks: int
 ) -> dict[str, list[float]]:
-    """Kick-to-start delays (ms) per variant: one idle worker each, kicked
-    in turn (see the module's docstring); the first ``_LIGHT_WARMUP``
-    tasks of each are left out (a new worker's first calls)."""
+    """One set of idle workers, one per variant started in ``names``'s
+    order, kicked in turn; the first ``_LIGHT_WARMUP`` tasks of each are
+    left out (a new worker's first calls)."""
     queues = {v: f"bench-hotpath-light-{v}" for v in names}
     admin = Redis.from_url(url)
     with contextlib.ExitStack() as files:
@@ -390,7 +419,8 @@ def run(
             log(f"hotpath: drain {mode.hotpath_tasks} tasks, {variant}, rep {rep + 1}")
             drains[variant].append(asyncio.run(_drain(variant, url, mode, before, rep)))
     log(f"hotpath: light load, {mode.hotpath_light} tasks to each variant in turn")
-    light = asyncio.run(_light(url, names, before, mode.hotpath_light))
+    per_process = _light(url, names, before, mode.hotpath_light)
+    light = {v: [d for one in per_process[v] for d in one] for v in names}
     rows = []
     for variant in names:
         log(f"hotpath: round trips, {variant}")
@@ -410,12 +440,13 @@ def run(
         row["light_p99_ms"] = round(percentile(light[variant], 99), 3)
         rows.append(row)
     return {
-        "light_intervals": _light_intervals(light),
+        "light_intervals": _light_intervals(per_process),
         "settings": {
             "tasks": mode.hotpath_tasks,
             "reps": mode.hotpath_reps,
             "round_trip_tasks": mode.hotpath_rt_tasks,
             "light_tasks": mode.hotpath_light,
+            "light_processes": len(per_process[names[0]]),
             "light_warmup": _LIGHT_WARMUP,
             "light_every_ms": _LIGHT_EVERY_S * 1000,
             "max_async_tasks": int(_SLOTS),
@@ -426,10 +457,10 @@ def run(
     }
 
 
-def _light_intervals(light: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The light-load ratios' 95% intervals (atomic / upstream, rounds
-    resampled: ``stats.paired_ratio_interval``): how far one run's ratio
-    can be trusted."""
+def _light_intervals(light: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+    """The light-load ratios' 95% intervals (atomic / upstream, worker
+    processes and rounds resampled: ``stats.paired_ratio_interval``): how
+    far one run's ratio can be trusted."""
     if ATOMIC not in light or UPSTREAM not in light:
         return {}
     mine, theirs = light[ATOMIC], light[UPSTREAM]
@@ -488,7 +519,9 @@ def _interval_note(interval: list[float] | None) -> str:
     if not interval:
         return ""
     low, high = interval
-    return f"; 95% interval {low:.2f}-{high:.2f} (rounds resampled)"
+    return (
+        f"; 95% interval {low:.2f}-{high:.2f} (worker processes and rounds resampled)"
+    )
 
 
 COLUMNS = (

@@ -32,24 +32,31 @@ def ratio(numerator: float, denominator: float) -> float:
 
 
 def paired_ratio_interval(
-    mine: Sequence[float],
-    theirs: Sequence[float],
+    mine: Sequence[Sequence[float]],
+    theirs: Sequence[Sequence[float]],
     stat: Callable[[list[float]], float],
     resamples: int = 1000,
 ) -> tuple[float, float]:
-    """A 95% bootstrap interval of ``stat(mine) / stat(theirs)``, where the
-    i-th of each was measured in the same round: rounds are resampled
-    whole, so what a round shared (the machine's state) stays paired. An
-    interval holding 1.0 says the run cannot tell the two apart. Seeded:
-    the same figures give the same interval."""
-    rounds = min(len(mine), len(theirs))
+    """A 95% bootstrap interval of ``stat(mine) / stat(theirs)``, all of each
+    pooled. ``mine[g][i]`` and ``theirs[g][i]`` were measured side by side:
+    the g-th pair of worker processes, in round i. Both levels are
+    resampled: the pairs (a worker process keeps its own speed for its whole
+    life), then the rounds of each pair picked, each round whole, so what a
+    round shared (the machine's state) stays paired. An interval holding 1.0
+    says the run cannot tell the two apart. Seeded: the same figures give
+    the same interval."""
     draw = random.Random(0).choices
+    pairs = min(len(mine), len(theirs))
     ratios = []
     for _ in range(resamples):
-        picked = draw(range(rounds), k=rounds)
-        ratios.append(
-            ratio(stat([mine[i] for i in picked]), stat([theirs[i] for i in picked]))
-        )
+        picked_mine: list[float] = []
+        picked_theirs: list[float] = []
+        for pair in draw(range(pairs), k=pairs):
+            rounds = min(len(mine[pair]), len(theirs[pair]))
+            picked = draw(range(rounds), k=rounds)
+            picked_mine.extend(mine[pair][i] for i in picked)
+            picked_theirs.extend(theirs[pair][i] for i in picked)
+        ratios.append(ratio(stat(picked_mine), stat(picked_theirs)))
     return percentile(ratios, 2.5), percentile(ratios, 97.5)
 
 

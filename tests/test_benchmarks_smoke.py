@@ -160,8 +160,10 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         assert all(f["longest_ms"] >= f["p50_ms"] >= 0 for f in calls.values())
     hotpath = results["hotpath"]
     light = hotpath["settings"]["light_tasks"]
+    # The light load ran on fresh workers twice, as a full run does five times.
+    assert hotpath["settings"]["light_processes"] == 2
     for row in hotpath["rows"]:
-        # Every variant's worker got its share of the light load's turns.
+        # Every variant's workers got their share of the light load's turns.
         assert row["light_tasks"] == light, row["variant"]
         assert row["light_p99_ms"] >= row["light_p50_ms"] > 0
     intervals = hotpath["light_intervals"]
