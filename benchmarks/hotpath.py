@@ -76,9 +76,9 @@ _LIGHT_EVERY_S = 0.02
 _LIGHT_WARMUP = 50
 # The light load runs on this many sets of fresh worker processes (fewer
 # where each would get under _LIGHT_MIN_PER_PROCESS tasks): a process keeps
-# a speed of its own for its whole life (four taskiq-redis workers in one
-# run, identical code: p50s up to 1.7% apart, p99s up to 4%), so one
-# process per variant measures its process as much as its code.
+# a speed of its own for its whole life (identical taskiq-redis workers
+# in one run: p50s up to 1.7% apart, p99s up to 10%), so one process per
+# variant measures its process as much as its code.
 _LIGHT_PROCESSES = 5
 _LIGHT_MIN_PER_PROCESS = 50
 # Not the worker's per-task work: its startup, the harness's polling.

@@ -625,12 +625,14 @@ def render(results: dict[str, Any]) -> str:
         )
     if results.get("hotpath"):
         hot = results["hotpath"]
+        sets = hot["settings"].get("light_processes", 1)
         parts.append(
             f"Hot path ({hot['settings']['tasks']} no-op tasks drained by one"
             " taskiq worker, --max-async-tasks 32 --max-prefetch 32; medians of"
             f" {hot['settings']['reps']} reps; light load: every variant's idle"
             f" worker at once, one task each every"
-            f" {hot['settings']['light_every_ms']:.0f} ms, kicked in turn)\n"
+            f" {hot['settings']['light_every_ms']:.0f} ms, kicked in turn;"
+            f" {sets} set{'s' if sets != 1 else ''} of fresh workers, pooled)\n"
             + table(
                 [label for label, _ in hotpath.COLUMNS],
                 ([r[key] for _, key in hotpath.COLUMNS] for r in hot["rows"]),
