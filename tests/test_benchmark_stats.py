@@ -56,7 +56,7 @@ def test_the_interval_is_the_same_every_time_it_is_computed() -> None:
     )
 
 
-def test_each_processs_own_speed_widens_the_interval() -> None:
+def test_each_worker_process_keeping_its_own_speed_widens_the_interval() -> None:
     """Identical code in two worker processes is not equally fast: each
     process keeps an offset of its own for its whole life (measured here:
     up to 1.7% at p50 between four taskiq-redis workers in one run). Rounds
