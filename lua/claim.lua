@@ -34,11 +34,11 @@
     {"claimed", next_cursor, {{id, crashes}, ...},
      {trimmed_id, ...}, {{dead_lettered_id, data}, ...}, full}
         ids of the entries now owned by ARGV[2], without their fields (the
-        caller fetches those with XCLAIM; see below), each with its crashes
+        caller reads those; see below), each with its crashes
         (starts in workers that died running it; left out when ARGV[6] is
         0); trimmed ids were pending but their stream entry is gone
         (trimmed or XDEL'd) and were removed from the PEL (Redis 6.2 lists
-        such ids among the claimed ones: the caller's XCLAIM finds them
+        such ids among the claimed ones: the caller's read finds them
         gone);
         dead-lettered ids reached max_deliveries crashes, were copied to the
         dead letters and acked (with ARGV[7] "1" also deleted from the
@@ -51,16 +51,19 @@
     {"failed", error}
         XAUTOCLAIM refused (e.g. NOGROUP); nothing changed for this stream.
 
-  The claim leaves the delivery count as it is (XAUTOCLAIM ... JUSTID) and
-  reads no entry's fields but those of entries it dead-letters: the
-  caller's XCLAIM <stream> <group> <consumer> 0 <id ...> fetches them and
-  raises the count. Nothing else claims them in between: the claim made
-  them idle for 0 ms.
+  The claim reads no entry's fields but those of entries it dead-letters
+  (XAUTOCLAIM ... JUSTID): the caller reads them with XRANGE, which changes
+  no owner, and keeps only the entries it still owns (claim.py). A claim is
+  a delivery: JUSTID leaves the delivery count as it is, so the script
+  raises it (XCLAIM ... JUSTID RETRYCOUNT, on entries it took in this same
+  step), as the claim of whole entries would.
 
-  Invariant: the lease and the cursor key never exist without an expiry,
-  whatever wrote them. The script runs atomically, so no client crash can
-  leave the lease half-taken: either the claim and the lease both happened
-  or neither did.
+  Invariant: the only owner changes are XAUTOCLAIM's, which checks each
+  entry's idle time in this step, and the count raise, on entries this step
+  gave the caller. The lease and the cursor key never exist without an
+  expiry, whatever wrote them. The script runs atomically, so no client
+  crash can leave the lease half-taken: either the claim and the lease both
+  happened or neither did.
 ]]
 
 --- @include "call_chunked"
@@ -70,6 +73,26 @@ local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, lease_ms, cursor_ttl_ms = ARGV[3], ARGV[4], ARGV[5]
 local max_deliveries = tonumber(ARGV[6])
 local delete_acked = ARGV[7] == "1"
+
+-- The claimed entries' delivery counts, one up each: what XAUTOCLAIM
+-- without JUSTID does. Only on entries this script just gave the consumer,
+-- so XCLAIM at min-idle-time 0 takes nothing from anyone. One XPENDING per
+-- entry, only when something was claimed: claims of idle entries are rare.
+local function raise_delivery_counts(stream, ids)
+  local by_count = {}
+  for _, id in ipairs(ids) do
+    local row = redis.call("XPENDING", stream, group, id, id, 1)[1]
+    if row then
+      local count = row[4] + 1
+      by_count[count] = by_count[count] or {}
+      table.insert(by_count[count], id)
+    end
+  end
+  for count, same in pairs(by_count) do
+    call_chunked({"XCLAIM", stream, group, consumer, 0}, same,
+      {"JUSTID", "RETRYCOUNT", count})
+  end
+end
 
 local function claim_stream(stream, lease_key, cursor_key, dead_letters, started, count)
   local holder = redis.call("GET", lease_key)
@@ -88,10 +111,9 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
   local start = cursor or "0-0"
   -- JUSTID: no entry's fields pass through Lua (each would be converted to
   -- Lua values and back, blocking the server far longer than the read it
-  -- serves); the caller fetches them with XCLAIM, which also raises the
-  -- delivery count that JUSTID leaves as it is. pcall: a stream that fails
-  -- (say NOGROUP) must not take down the replies of streams claimed before
-  -- it, whose entries are the caller's now.
+  -- serves). pcall: a stream that fails (say NOGROUP) must not take down
+  -- the replies of streams claimed before it, whose entries are the
+  -- caller's now.
   local reply = redis.pcall("XAUTOCLAIM", stream, group, consumer, min_idle_ms, start,
     "COUNT", count, "JUSTID")
   if reply.err then
@@ -103,9 +125,10 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
 
   -- 7.x lists the pending ids whose entry is gone from the stream in
   -- reply[3] and removes them from the PEL. Redis 6.2 lists them among the
-  -- claimed ids: the caller's XCLAIM finds them gone and acks them.
+  -- claimed ids: the caller's read finds them gone and acks them.
   local trimmed = reply[3] or {}
   call_chunked({"HDEL", started}, trimmed, {})
+  raise_delivery_counts(stream, found)
 
   local claimed, dead_lettered = {}, {}
   -- One hash read for the whole batch, and only if dead lettering is on:
@@ -127,7 +150,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
         dead_lettered[#dead_lettered + 1] = {id, data}
       else
         -- Redis 6.2: claimed though gone from the stream; the caller's
-        -- XCLAIM finds it gone and acks it, as any other.
+        -- read finds it gone and acks it, as any other.
         claimed[#claimed + 1] = {id, crash_count}
       end
     elseif max_deliveries > 0 then

@@ -1,16 +1,17 @@
 """One claim cycle for one or several streams: a single call of
-``lua/claim.lua``, then, only for streams where it claimed something, an
-XCLAIM of the claimed ids that fetches their fields.
+``lua/claim.lua``, then, only for streams where it claimed something, one
+transaction that reads the claimed entries' fields and who owns them now.
 
 The script claims ids only (XAUTOCLAIM ... JUSTID): fields passed through
 Lua are converted to Lua values and back, which blocks the server far
-longer than the plain read of the same entries. The XCLAIM (min-idle-time
-0, to the claimer, which owns them now) returns the fields and raises each
-delivery count, as the claim of a whole entry would; no other claimer can
-take them in between, the script made them idle for 0 ms. Entries it finds
-gone from the stream (trimmed or XDEL'd; Redis 6.2's XAUTOCLAIM claims
-those too) are acked and reported as trimmed, as the script does with the
-ones it finds.
+longer than the plain read of the same entries. The read changes no owner
+(XRANGE, beside XPENDING of the same id, in one MULTI): a claimer delayed
+between the two steps for longer than idle_timeout finds an entry another
+consumer claimed meanwhile owned by that consumer, and leaves it to it; one
+acked meanwhile is no longer pending, and is not reported lost. Entries it
+still owns but finds gone from the stream (trimmed or XDEL'd; Redis 6.2's
+XAUTOCLAIM claims those too) are acked and reported as trimmed, as the
+script does with the ones it finds.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _as_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-# Ids per XCLAIM: each call's reply (and arguments) stays bounded.
+# Entries per transaction that reads them: each reply stays bounded.
 FETCH_CHUNK = 1000
 
 
@@ -93,7 +94,7 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
         )
     return ClaimOutcome(
         skipped=False,
-        # Fields come from the XCLAIM that follows (see _fetch_fields).
+        # Fields come from the read that follows (see _fetch_fields).
         entries=[ClaimedEntry(text(entry[0]), {}, *entry[1:2]) for entry in reply[2]],
         trimmed=[text(entry_id) for entry_id in reply[3]],
         dead_lettered=[text(entry_id) for entry_id, _ in reply[4]],
@@ -174,44 +175,35 @@ async def claim_streams(
     return outcomes
 
 
-def _entry_pairs(reply: Any) -> list[tuple[Any, Any]]:
-    # redis-py parses XCLAIM into (id, fields dict) pairs, with (None, None)
-    # where Redis 6.2 found the entry gone; without its callback, RESP2's
-    # [id, [field, value, ...]] or nil.
-    return [tuple(entry) if entry is not None else (None, None) for entry in reply]
-
-
 async def _fetch_fields(
-    client: ScriptClient,
+    client: Any,
     keys: StreamKeys,
     consumer: str,
     settings: ClaimSettings,
     outcome: ClaimOutcome,
 ) -> ClaimOutcome:
-    """The claimed entries with their fields (see the module docstring)."""
+    """The claimed entries this consumer still owns, with their fields (see
+    the module docstring)."""
     ids = [entry.id for entry in outcome.entries]
-    replies = await asyncio.gather(
-        *(
-            client.execute_command(
-                "XCLAIM",
-                keys.stream,
-                keys.group,
-                consumer,
-                0,
-                *ids[first : first + FETCH_CHUNK],
-            )
-            for first in range(0, len(ids), FETCH_CHUNK)
-        )
-    )
+    replies: list[Any] = []
+    for first in range(0, len(ids), FETCH_CHUNK):
+        async with client.pipeline(transaction=True) as pipe:
+            for entry_id in ids[first : first + FETCH_CHUNK]:
+                pipe.xpending_range(keys.stream, keys.group, entry_id, entry_id, 1)
+                pipe.xrange(keys.stream, entry_id, entry_id, 1)
+            replies += await pipe.execute()
     fields: dict[str, dict[bytes, bytes]] = {}
-    for reply in replies:
-        for entry_id, entry_fields in _entry_pairs(reply):
-            if entry_id is not None and entry_fields is not None:
-                fields[text(entry_id)] = _fields(entry_fields)
-    gone = [entry_id for entry_id in ids if entry_id not in fields]
+    gone = []
+    for entry_id, pending, found in zip(ids, replies[::2], replies[1::2], strict=True):
+        if not pending or text(pending[0]["consumer"]) != consumer:
+            # Another consumer's now, or acked: not this claimer's to run.
+            continue
+        if found:
+            fields[entry_id] = _fields(found[0][1])
+        else:
+            gone.append(entry_id)
     if gone:
-        # Rare: only entries trimmed or deleted while pending. 7.x's XCLAIM
-        # already took them out of the PEL; the ack forgets their start count.
+        # Rare: only entries trimmed or deleted while pending, still ours.
         await ack(
             client, keys.stream, keys.started, keys.group, gone, settings.delete_acked
         )

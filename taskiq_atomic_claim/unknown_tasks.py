@@ -7,9 +7,9 @@ worker that knows the task takes it. When no worker knows it (a typo, a
 removed task), it goes to dead letters once delivered
 ``UNKNOWN_TASK_DELIVERIES`` times (the bound and the reason are in
 ``dead_letter_policy.py``), counted by the PEL's delivery count: the read
-and every claim raise it, Lua (the XCLAIM that fetches what the script
-claimed, see claim.py) or native (XREADGROUP ... CLAIM); hand-backs and
-heartbeats never do.
+and every claim raise it, Lua (the claim script raises it for what it
+claimed) or native (XREADGROUP ... CLAIM); hand-backs and heartbeats never
+do.
 """
 
 from __future__ import annotations
