@@ -19,15 +19,13 @@ rotates every repetition), medians reported:
 - light load: after the drains, one idle worker per variant, all at
   once, each on its own queue; every 20 ms a round kicks one task to each,
   spread evenly over the round in an order that rotates every round, so
-  every variant meets the same machine at the same moments (a variant
-  measured in a window of its own met another machine: the ratio moved by
-  more than its distance from 1.0 between runs). The load is split over
-  several sets of fresh workers, one set after the other, each started in
-  a rotated order: a worker process keeps a speed of its own (identical
-  workers differ by more than the gaps measured here), so one process per
-  variant would measure its process. Kick-to-start delay (the task's wall
-  clock minus the kick's), p50 and p99 of all sets pooled, after a warm-up
-  per worker; the ratios' intervals resample the sets and their rounds.
+  every variant meets the same machine at the same moments. The load is
+  split over several sets of fresh workers, one set after the other, each
+  started in a rotated order: a worker process keeps a speed of its own, so
+  one process per variant would measure its process. Kick-to-start delay
+  (the task's wall clock minus the kick's), p50 and p99 of all sets pooled,
+  after a warm-up per worker; the ratios' intervals resample the sets and
+  their rounds.
 
 ``before``: a source tree (``git archive`` of an older commit) to run as
 one more variant, "atomic@before", in the same run.
@@ -74,9 +72,7 @@ _LIGHT_EVERY_S = 0.02
 _LIGHT_WARMUP = 50
 # The light load runs on this many sets of fresh worker processes (fewer
 # where each would get under _LIGHT_MIN_PER_PROCESS tasks): a process keeps
-# a speed of its own for its whole life (identical taskiq-redis workers
-# in one run: p50s up to 1.7% apart, p99s up to 10%), so one process per
-# variant measures its process as much as its code.
+# a speed of its own for its whole life.
 _LIGHT_PROCESSES = 5
 _LIGHT_MIN_PER_PROCESS = 50
 # Not the worker's per-task work: its startup, the harness's polling.
