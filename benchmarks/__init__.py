@@ -1,6 +1,6 @@
 """Benchmarks for taskiq-atomic-claim: ``python -m benchmarks --help``.
 
-The atomic claim script against client-side locking, under injected round-trip
-latency and contention, plus end-to-end crash recovery and throughput against
-taskiq-redis 1.2.4. See ``benchmarks/README.md``.
+This package against taskiq-redis 1.2.4, side by side in one run: the hot
+path, crash recovery, mass recovery and an idle fleet's cost. See
+``benchmarks/README.md``.
 """

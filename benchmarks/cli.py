@@ -1,12 +1,10 @@
-"""``python -m benchmarks``: every part, one server, one results file.
+"""``python -m benchmarks``: every part, on each server named, one results file.
 
-Parts, in order: claim_cycle (latency per RTT, round trips, server time,
-upstream fidelity), contention, scale, e2e (SIGKILL drill), throughput,
-mass_recovery (a fleet drains dead consumers' entries), fleet_idle (what an
-idle fleet costs the server), longest_calls (each operation's longest call
-in a mass recovery with large payloads), kicks (kick throughput with and
-without idempotent XADD), hotpath (what every task pays: drain, worker
-CPU, round trips and server time per task, light-load latency).
+Parts, in order: hotpath (what every task pays: drain rate, worker CPU and
+server time per task, light-load kick-to-start delay), e2e (SIGKILL ->
+re-run), mass_recovery (a fleet drains dead consumers' entries while new
+tasks flow), fleet_idle (what an idle fleet costs the server). Each against
+taskiq-redis 1.2.4 in the same run. See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -23,23 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (
-    claim_cycle,
-    contention,
     end_to_end,
     fleet_idle,
     hotpath,
-    kicks,
-    longest_calls,
     machine,
     mass_recovery,
-    netpath,
     report,
     safety,
-    scale,
-    throughput,
     watchdog,
 )
-from benchmarks.config import MODES, REGIMES
+from benchmarks.config import MODES, Mode
 from taskiq_atomic_claim.harness.embedded_server import (
     LocalServer,
     ServerBinary,
@@ -47,18 +38,7 @@ from taskiq_atomic_claim.harness.embedded_server import (
     find_binaries,
 )
 
-PARTS = (
-    "claim_cycle",
-    "contention",
-    "scale",
-    "e2e",
-    "throughput",
-    "mass_recovery",
-    "fleet_idle",
-    "longest_calls",
-    "kicks",
-    "hotpath",
-)
+PARTS = ("hotpath", "e2e", "mass_recovery", "fleet_idle")
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
 # may name one before it is built and is then skipped, not failed.
@@ -73,11 +53,11 @@ class ServerAbsentError(Exception):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Atomic claim vs client-side locking: latency under RTT,"
-        " contention, scale, crash recovery and throughput.",
+        description="This package against taskiq-redis 1.2.4: the hot path,"
+        " crash recovery, mass recovery and an idle fleet's cost.",
     )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="short run (< 2 min)")
+    size.add_argument("--quick", action="store_true", help="short run (minutes)")
     size.add_argument(
         "--smoke",
         action="store_true",
@@ -85,28 +65,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
-        "--plot",
-        type=Path,
-        help="draw the latency-vs-RTT PNG here (needs matplotlib: the bench"
-        " extra); without it no plot is drawn",
-    )
-    parser.add_argument(
         "--server",
-        help="server binary path or label such as redis-6.2.14 or"
-        f" {', '.join(KNOWN_BUILDS)} (from {BUILT_SERVERS}; the run is skipped"
-        f" if it is not built) (default: Redis 7.0 at {DEFAULT_SERVER} if"
-        " present, else the newest found)",
-    )
-    parser.add_argument(
-        "--latency-method",
-        choices=("auto", "netem", "proxy"),
-        default="auto",
-        help="auto: netem in a network namespace, else the loopback delay proxy",
+        action="append",
+        help="server binary path or label such as redis-7.0.15 or"
+        f" {', '.join(KNOWN_BUILDS)} (from {BUILT_SERVERS}; skipped if not"
+        " built); repeat it to run every part on each server in turn"
+        f" (default: Redis 7.0 at {DEFAULT_SERVER} if present, else the newest"
+        " found)",
     )
     parser.add_argument(
         "--from-json",
         type=Path,
-        help="measure nothing: print the report and redraw the plot from a saved run",
+        help="measure nothing: print the report of a saved results file",
     )
     parser.add_argument(
         "--parts",
@@ -120,16 +90,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         " hotpath variant, atomic@before, in the same run",
     )
     args = parser.parse_args(argv)
-    if args.plot:
-        # Checked before measuring, not after minutes of it; only --plot pays
-        # for the import.
-        try:
-            import matplotlib  # noqa: F401, PLC0415
-        except ImportError as error:
-            parser.error(
-                "--plot needs matplotlib: pip install 'taskiq-atomic-claim[bench]'"
-                f" ({error})"
-            )
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(args.parts) - set(PARTS)
     if unknown:
@@ -186,23 +146,43 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _from_json(args: argparse.Namespace) -> int:
-    results = json.loads(args.from_json.read_text())
-    print(report.render(results))
-    if args.plot and report.plot(results, args.plot):
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+def _run_server(
+    binary: ServerBinary, args: argparse.Namespace, mode: Mode, log: Any
+) -> dict[str, Any]:
+    """Every part asked for, on one server: one run of the results file."""
+    started = time.monotonic()
+    run: dict[str, Any] = {"mode": mode.name}
+    with LocalServer(binary) as server:
+        log(f"server {binary.label} on port {server.port}")
+        run["machine"] = machine.describe(binary, server.url)
+        if "hotpath" in args.parts:
+            run["hotpath"] = hotpath.run(
+                server.url, server.port, mode, log, args.hotpath_before
+            )
+        if "e2e" in args.parts:
+            run["e2e"] = end_to_end.run(server.url, mode, log)
+        if "mass_recovery" in args.parts:
+            run["mass_recovery"] = mass_recovery.run(server.url, mode, log)
+        if "fleet_idle" in args.parts:
+            run["fleet_idle"] = fleet_idle.run(server.url, server.port, mode, log)
+    run["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    run["elapsed_s"] = round(time.monotonic() - started, 1)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.from_json:
-        return _from_json(args)
-    try:
-        binary = choose_binary(args.server)
-    except ServerAbsentError as absent:
-        print(f"skipped: {absent}", file=sys.stderr)
+        print(report.render(json.loads(args.from_json.read_text())))
+        return 0
+    binaries = []
+    for choice in args.server or [None]:
+        try:
+            binaries.append(choose_binary(choice))
+        except ServerAbsentError as absent:
+            print(f"skipped: {absent}", file=sys.stderr)
+    if not binaries:
         return 0
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     safety.install()
@@ -218,78 +198,18 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    results: dict[str, Any] = {
-        "mode": mode.name,
-        "command": " ".join(["python -m benchmarks", *argv]),
-    }
-    path: netpath.LatencyPath | None = None
+    command = " ".join(["python -m benchmarks", *argv])
     try:
-        if {"claim_cycle", "contention"} & set(args.parts):
-            path = netpath.open_path(args.latency_method)
-            log(f"latency injection: {path.method}: {path.detail}")
-        with LocalServer(binary, extra_args=path.server_args if path else ()) as server:
-            log(f"server {binary.label} on port {server.port}")
-            results["machine"] = machine.describe(
-                binary,
-                server.url,
-                path.method if path else None,
-                path.detail if path else "",
-            )
-            if path is not None:
-                path.attach(server.port)
-            if "claim_cycle" in args.parts and path is not None:
-                results.update(claim_cycle.run(server.port, path, mode, log))
-            if "contention" in args.parts:
-                results["contention_regimes"] = {
-                    r.name: {
-                        **r.arguments.as_dict(),
-                        "back_off": r.back_off,
-                        "why": r.why,
-                    }
-                    for r in REGIMES
-                }
-                results["contention"] = contention.run(
-                    server.url, REGIMES, mode, log, path
-                )
-            if "scale" in args.parts:
-                results["scale"] = scale.run(server.url, mode, log)
-            if "e2e" in args.parts:
-                results["e2e"] = end_to_end.run(server.url, mode, log)
-            if "throughput" in args.parts:
-                results["throughput"] = throughput.run(
-                    server.url, mode.throughput_messages, mode.throughput_reps, log
-                )
-            if "mass_recovery" in args.parts:
-                results["mass_recovery"] = mass_recovery.run(server.url, mode, log)
-            if "fleet_idle" in args.parts:
-                results["fleet_idle"] = fleet_idle.run(
-                    server.url, server.port, mode, log
-                )
-            if "longest_calls" in args.parts:
-                results["longest_calls"] = longest_calls.run(server.url, mode, log)
-            if "kicks" in args.parts:
-                results["kicks"] = kicks.run(
-                    server.url, mode.kick_messages, mode.kick_reps, log
-                )
-            if "hotpath" in args.parts:
-                results["hotpath"] = hotpath.run(
-                    server.url, server.port, mode, log, args.hotpath_before
-                )
+        runs = [
+            {"command": command, **_run_server(binary, args, mode, log)}
+            for binary in binaries
+        ]
     finally:
         stall.stop()
-        if path is not None:
-            path.close()
-        safety.run_all()
-    results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    results["elapsed_s"] = round(time.monotonic() - started, 1)
-    results["targets"] = report.targets(results)
-    results = _finite(results)
+    results = _finite({"runs": runs})
     print(report.render(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         log(f"wrote {args.json}")
-    # Only --plot draws, and only it needs matplotlib.
-    if args.plot and report.plot(results, args.plot):
-        log(f"wrote {args.plot}")
     return 0

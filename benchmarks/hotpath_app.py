@@ -1,7 +1,7 @@
 """The ``taskiq worker`` app of the hot-path part (``hotpath.py``).
 
 Configured from the environment: which broker (``HOTPATH_BROKER``: atomic,
-atomic_none, upstream, streams), the server and queue, and where the timed
+atomic_none, upstream), the server and queue, and where the timed
 task appends its kick-to-start delay.
 """
 
@@ -29,10 +29,6 @@ def _broker() -> AsyncBroker:
         none = KIND == "atomic_none"
         extra: dict[str, Any] = {"max_deliveries": None} if none else {}
         return AtomicRedisStreamBroker(URL, **common, **extra)
-    if KIND == "streams":
-        from taskiq_redis_streams import RedisStreamBroker as Streams  # type: ignore[import-not-found]  # noqa: PLC0415
-
-        return Streams(URL, **common)  # type: ignore[no-any-return]
     from taskiq_redis import RedisStreamBroker  # noqa: PLC0415
 
     return RedisStreamBroker(URL, **common)

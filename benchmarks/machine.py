@@ -33,9 +33,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def describe(
-    binary: ServerBinary, url: str, method: str | None, detail: str
-) -> dict[str, Any]:
+def describe(binary: ServerBinary, url: str) -> dict[str, Any]:
     client = redis.Redis.from_url(url)
     try:
         info: Any = client.info("server")
@@ -58,8 +56,6 @@ def describe(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"
         ),
-        "latency_method": method,
-        "latency_detail": detail,
         # Other work on the machine shows up here, and in the noise.
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
     }

@@ -47,7 +47,6 @@ from taskiq_redis import RedisStreamBroker
 
 from benchmarks.config import AGED_IDLE_MS, Mode
 from benchmarks.stats import p50, percentile
-from benchmarks.throughput import stop_receiver
 from taskiq_atomic_claim.broker import AtomicRedisStreamBroker
 
 TASK_NAME = "bench.mass_work"
@@ -56,6 +55,17 @@ _CHUNK = 1000
 # After the drain: how long new tasks may still take to start before the run
 # stops waiting for them (their waits then count as censored lower bounds).
 _GRACE_S = 10.0
+
+
+async def stop_receiver(finish: asyncio.Event, listener: asyncio.Task[None]) -> None:
+    """Let the receiver finish; cancel it if it will not; never wait unbounded."""
+    finish.set()
+    done, _ = await asyncio.wait({listener}, timeout=5)
+    if not done:
+        listener.cancel()
+        await asyncio.wait({listener}, timeout=5)
+    if listener.done() and not listener.cancelled():
+        listener.exception()  # retrieved: an error here is not the figure's
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""MONITOR capture: which commands a claim cycle really runs on the server.
+"""MONITOR capture: which commands an idle fleet really runs on the server.
 
 MONITOR prints every command with the client address it came from; commands
 a script runs carry ``lua`` instead. Commands queued between MULTI and EXEC
 on a connection run inside EXEC. Both kinds are "nested": their server time
 is already part of the FCALL/EVALSHA/EXEC that ran them, which matters when
-commandstats are turned into server time per cycle.
+commandstats are turned into server time.
 """
 
 from __future__ import annotations
@@ -55,18 +55,12 @@ def parse(text: str) -> list[Command]:
 
 @dataclass
 class CommandCounts:
-    """Commands per cycle from some clients, split into outer and nested."""
+    """Commands from some clients, split into outer and nested."""
 
     outer: Counter[str] = field(default_factory=Counter)
     nested: Counter[str] = field(default_factory=Counter)
     outer_base: Counter[str] = field(default_factory=Counter)
     nested_base: Counter[str] = field(default_factory=Counter)
-
-    def per_cycle(self, cycles: int) -> dict[str, dict[str, float]]:
-        return {
-            "outer": {k: round(v / cycles, 2) for k, v in sorted(self.outer.items())},
-            "nested": {k: round(v / cycles, 2) for k, v in sorted(self.nested.items())},
-        }
 
 
 def count(commands: list[Command], sources: set[str]) -> CommandCounts:

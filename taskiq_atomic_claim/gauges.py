@@ -48,9 +48,8 @@ GAUGES = {
 PREFIX = "taskiq_atomic_claim_"
 DEFAULT_INTERVAL = 15.0
 # Reading takes at most this share of the time: XINFO CONSUMERS of thousands
-# of consumers takes redis-py's parser about a second (5000 in 0.9-1.3 s on
-# a 2-core machine, redis-py 8.1), and a reader should not spend its life on
-# it.
+# of consumers takes redis-py's parser about a second, and a reader should
+# not spend its life on it.
 MAX_READ_SHARE = 0.2
 
 logger = logging.getLogger("taskiq.atomic_claim")
