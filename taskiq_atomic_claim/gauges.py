@@ -30,8 +30,14 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_calls import raise_if_cancel_was_swallowed
 
-# One XPENDING call per group: idle times come from at most this many entries.
+# One XPENDING call per group: each consumer's idle times come from at most
+# this many entries; the group's longest idle is searched over the whole PEL.
 PEL_SCAN_LIMIT = 1000
+# Beyond the scanned part, the longest idle is found by probes of one
+# ``XPENDING IDLE t - + 1`` each (the server walks the PEL in C until an
+# entry is that idle): one probe when none is idler than what the scan saw,
+# else a doubling then a halving search, to within 0.1%.
+MAX_IDLE_PROBES = 64
 
 GAUGES = {
     "stream_length": "Entries in the stream (XLEN)",
@@ -39,7 +45,7 @@ GAUGES = {
     " cannot say: Redis < 7, or after deletions)",
     "pending": "Entries delivered to the group and not acked (its PEL)",
     "oldest_pending_age_seconds": "Idle time of the longest-idle pending entry"
-    f" among the first {PEL_SCAN_LIMIT} of the PEL (0 when none is pending)",
+    " of the whole PEL (0 when none is pending)",
     "consumers": "Consumers registered in the group, dead ones included",
     "last_read_age_seconds": "Seconds since the most recently active consumer"
     " of the group talked to the server (+Inf without consumers)",
@@ -105,6 +111,7 @@ class ConsumerReading:
     name: str
     pending: int
     idle_ms: int
+    # Among the PEL's first PEL_SCAN_LIMIT entries, and its longest-idle one.
     oldest_pending_idle_ms: int | None
 
 
@@ -147,7 +154,9 @@ async def pending_idle_by_consumer(
     client: ScriptClient, stream: str, group: str, pending: int
 ) -> tuple[dict[str, int], int]:
     """Per consumer, the idle ms of its longest-idle pending entry among the
-    first ``PEL_SCAN_LIMIT`` of the PEL; and how many entries were read."""
+    first ``PEL_SCAN_LIMIT`` of the PEL, and the consumer of the longest-idle
+    entry of the whole PEL with that entry's idle; and how many entries were
+    read."""
     if not pending:
         return {}, 0
     scanned = await client.execute_command(
@@ -158,7 +167,48 @@ async def pending_idle_by_consumer(
         name = text(entry["consumer"])
         idle = int(entry["time_since_delivered"])
         oldest[name] = max(idle, oldest.get(name, idle))
+    if len(scanned) < pending:
+        found = await longest_idle_beyond(
+            client, stream, group, max(oldest.values(), default=0)
+        )
+        if found is not None:
+            name, idle = found
+            oldest[name] = max(idle, oldest.get(name, idle))
     return oldest, len(scanned)
+
+
+async def _first_idle_at_least(
+    client: ScriptClient, stream: str, group: str, idle_ms: int
+) -> tuple[str, int] | None:
+    found = await client.execute_command(
+        "XPENDING", stream, group, "IDLE", idle_ms, "-", "+", 1, parse_detail=True
+    )
+    if not found:
+        return None
+    return text(found[0]["consumer"]), int(found[0]["time_since_delivered"])
+
+
+async def longest_idle_beyond(
+    client: ScriptClient, stream: str, group: str, known_ms: int
+) -> tuple[str, int] | None:
+    """The consumer and idle ms of the longest-idle entry of the whole PEL,
+    to within 0.1%, when one is idler than ``known_ms``; else None."""
+    best: tuple[str, int] | None = None
+    low = known_ms  # an entry at least this idle exists (or none pends)
+    high: int | None = None  # no entry is this idle
+    for _ in range(MAX_IDLE_PROBES):
+        if high is not None and high - low <= max(1, low // 1000):
+            break
+        if high is None:
+            probe = low + 1 if best is None else 2 * low
+        else:
+            probe = (low + high) // 2
+        found = await _first_idle_at_least(client, stream, group, probe)
+        if found is None:
+            high = probe
+        else:
+            best, low = found, max(low, found[1])
+    return best
 
 
 def _optional_text(value: Any) -> str | None:
@@ -171,7 +221,7 @@ async def read_group(
     """The group ``info`` (its XINFO GROUPS entry, None when absent)
     describes: a handful of calls whatever the size of the stream (XINFO
     CONSUMERS lists every consumer, the PEL is read up to
-    ``PEL_SCAN_LIMIT``)."""
+    ``PEL_SCAN_LIMIT``, then probed for its longest idle)."""
     call = client.execute_command
     dead = int(await call("XLEN", StreamKeys(stream, group).dead_letters))
     if info is None:
