@@ -145,7 +145,8 @@ def advice(finding: Finding, reach: str) -> str:
         )
         words = (
             f"review: `{PROG} dead-letters {scope}`; then"
-            f" `{PROG} requeue {scope} --all`, or delete them"
+            f" `{PROG} requeue {scope} --all` or `{PROG} delete {scope} --all`"
+            " (--task NAME for one task's, --dry-run to see which first)"
         )
     if finding.kind in _TUNING and finding.action is not Action.RERUN_AFTER_FIX:
         words += f" ({_TUNING[finding.kind]} to tune)"
