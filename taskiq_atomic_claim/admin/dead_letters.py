@@ -4,7 +4,7 @@ people to decide. Moving an entry there is the runtime's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -146,16 +146,16 @@ async def chosen_dead_letters(
     ids: list[str] | None = None,
     task_name: str | None = None,
     formatter: TaskiqFormatter | None = None,
-) -> list[DeadLetter]:
+) -> AsyncIterator[DeadLetter]:
     """The dead letters of these ids (those that exist), else of calls of
-    ``task_name``, else all of them: what a requeue or delete acts on."""
+    ``task_name``, else all of them: what a requeue or delete acts on. One
+    batch at a time: a million payloads are never held at once."""
     if ids is not None:
-        found = []
         for wanted in dict.fromkeys(ids):
             exact = await client.xrange(keys.dead_letters, wanted, wanted)
-            found += [_parse(i, fields) for i, fields in exact or []]
-        return found
-    chosen: list[DeadLetter] = []
+            for entry_id, fields in exact or []:
+                yield _parse(entry_id, fields)
+        return
     start = "-"
     for _ in range(MAX_DEAD_LETTERS_SCANNED // REQUEUE_BATCH):
         entries = (
@@ -164,15 +164,26 @@ async def chosen_dead_letters(
         for entry_id, fields in entries:
             letter = _parse(entry_id, fields)
             if task_name is None:
-                chosen.append(letter)
+                yield letter
                 continue
             task = letter.task(formatter)
             if task is not None and task.name == task_name:
-                chosen.append(letter)
+                yield letter
         if len(entries) < REQUEUE_BATCH:
             break
         start = "(" + _text(entries[-1][0])  # exclusive: after the last one read
-    return chosen
+
+
+async def chosen_dead_letter_ids(
+    client: Redis,
+    keys: StreamKeys,
+    ids: list[str] | None = None,
+    task_name: str | None = None,
+    formatter: TaskiqFormatter | None = None,
+) -> list[str]:
+    """The ids ``chosen_dead_letters`` finds."""
+    chosen = chosen_dead_letters(client, keys, ids, task_name, formatter)
+    return [letter.id async for letter in chosen]
 
 
 async def dead_letter_ids_of_task(
@@ -182,8 +193,7 @@ async def dead_letter_ids_of_task(
     formatter: TaskiqFormatter | None = None,
 ) -> list[str]:
     """Ids of the dead letters whose message is a call of ``task_name``."""
-    chosen = await chosen_dead_letters(client, keys, None, task_name, formatter)
-    return [letter.id for letter in chosen]
+    return await chosen_dead_letter_ids(client, keys, None, task_name, formatter)
 
 
 async def requeue_dead_letters(

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.dead_letters import (
     DeadLetter,
+    chosen_dead_letter_ids,
     chosen_dead_letters,
     delete_dead_letters,
     entry_time,
@@ -229,16 +230,18 @@ async def _change(args: argparse.Namespace, verb: str) -> int:
     keys = StreamKeys(args.queue, args.group)
     async with connected((await server_of(args, keys)).options) as client:
         await require_known(client, keys)
-        chosen = await chosen_dead_letters(
-            client, keys, args.ids, args.task if not args.ids else None
-        )
-        ids = [letter.id for letter in chosen]
+        task = args.task if not args.ids else None
+        if args.dry_run:
+            ids = []
+            async for letter in chosen_dead_letters(client, keys, args.ids, task):
+                print(f"would {verb} {_describe(letter)}")
+                ids.append(letter.id)
+        else:
+            ids = await chosen_dead_letter_ids(client, keys, args.ids, task)
         if args.task is not None and not ids:
             print(f"no dead letters of task {args.task!r} in {keys.dead_letters}")
             return 1
         if args.dry_run:
-            for letter in chosen:
-                print(f"would {verb} {_describe(letter)}")
             where = f"to {keys.stream}" if verb == "requeue" else "for good"
             print(
                 f"{plural(len(ids), 'dead letter')} would be {verb}d {where}"

@@ -52,7 +52,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from taskiq_atomic_claim.admin.dead_letters import (
-    chosen_dead_letters,
+    chosen_dead_letter_ids,
     dead_letters_page,
     delete_dead_letters,
     requeue_dead_letters,
@@ -244,8 +244,7 @@ class _Routes:
         problem = await unknown_pair(self.client, keys)
         if problem is not None:
             return JSONResponse({"error": problem}, status_code=404)
-        chosen = await chosen_dead_letters(self.client, keys, change.ids, change.task)
-        ids = [letter.id for letter in chosen]
+        ids = await chosen_dead_letter_ids(self.client, keys, change.ids, change.task)
         if change.dry_run:
             # What the same request without dry_run acts on, as of now.
             return JSONResponse(
