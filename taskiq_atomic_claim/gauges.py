@@ -35,10 +35,14 @@ from taskiq_atomic_claim.server_calls import raise_if_cancel_was_swallowed
 PEL_SCAN_LIMIT = 1000
 # Beyond the scanned part, the longest idle is found by probes of one
 # ``XPENDING IDLE t - + 1`` each (the server walks the PEL in C until an
-# entry is that idle): one probe when none is idler than what the scan saw,
-# else a doubling then a halving search, to within 0.1%.
+# entry is that idle, the whole PEL when none is): one probe when none is
+# idler than what the scan saw; else probes just above the idlest found so
+# far, each stopping at the next idler entry, and after CHAIN_PROBES of
+# those a doubling then halving search. To within IDLE_RESOLUTION_MS or
+# 0.1%, whichever is larger.
 MAX_IDLE_PROBES = 64
-
+CHAIN_PROBES = 8
+IDLE_RESOLUTION_MS = 100
 GAUGES = {
     "stream_length": "Entries in the stream (XLEN)",
     "lag": "Entries the group has not been delivered yet (NaN where the server"
@@ -192,22 +196,28 @@ async def longest_idle_beyond(
     client: ScriptClient, stream: str, group: str, known_ms: int
 ) -> tuple[str, int] | None:
     """The consumer and idle ms of the longest-idle entry of the whole PEL,
-    to within 0.1%, when one is idler than ``known_ms``; else None."""
+    when one is idler than ``known_ms`` by more than the resolution; else
+    None. Idle times are as of the call: every entry ages while the PEL is
+    probed, so each probe asks for its threshold plus the time gone by."""
+    started = time.monotonic()
     best: tuple[str, int] | None = None
     low = known_ms  # an entry at least this idle exists (or none pends)
     high: int | None = None  # no entry is this idle
-    for _ in range(MAX_IDLE_PROBES):
-        if high is not None and high - low <= max(1, low // 1000):
+    for probes in range(MAX_IDLE_PROBES):
+        step = max(IDLE_RESOLUTION_MS, low // 1000)
+        if high is not None and high - low <= step:
             break
         if high is None:
-            probe = low + 1 if best is None else 2 * low
+            probe = low + step if probes < CHAIN_PROBES else 2 * low
         else:
             probe = (low + high) // 2
-        found = await _first_idle_at_least(client, stream, group, probe)
+        aged = int((time.monotonic() - started) * 1000)
+        found = await _first_idle_at_least(client, stream, group, probe + aged)
         if found is None:
             high = probe
         else:
-            best, low = found, max(low, found[1])
+            consumer, idle = found
+            best, low = (consumer, idle - aged), max(low, idle - aged)
     return best
 
 

@@ -120,12 +120,23 @@ async def test_oldest_pending_reads_the_whole_pel(redis: Redis, queue: str) -> N
     )
     assert gauges.values()["oldest_pending_age_seconds"] >= 45.0
 
+    # Idler and idler further on, more than the search follows one by one:
+    # it doubles, then halves, onto the idlest.
+    for n in range(12):
+        await set_idle(50_000 + 1000 * n, [dead_ids[200 + n]])
+    gauges = await read_group_gauges(redis, queue, GROUP)
+    assert gauges.oldest_pending_idle_ms is not None
+    assert gauges.oldest_pending_idle_ms >= 61_000
+    assert gauges.oldest_pending_idle_ms <= await _longest_idle_of_every_entry(
+        redis, queue
+    )
+
     # The consumer holding it is named (doctor's stale-pending names it).
     reading = await read_group(
         redis, queue, GROUP, (await redis.xinfo_groups(queue))[0]
     )
     by_name = {c.name: c for c in reading.consumers}
-    assert (by_name["dead"].oldest_pending_idle_ms or 0) >= 45_000
+    assert (by_name["dead"].oldest_pending_idle_ms or 0) >= 61_000
     assert (by_name["live"].oldest_pending_idle_ms or 0) < 10_000
     assert reading.pel_scanned == PEL_SCAN_LIMIT
 
