@@ -30,16 +30,26 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_calls import raise_if_cancel_was_swallowed
 
-# One XPENDING call per group: idle times come from at most this many entries.
+# One XPENDING call per group: each consumer's idle times come from at most
+# this many entries; the group's longest idle is searched over the whole PEL.
 PEL_SCAN_LIMIT = 1000
-
+# Beyond the scanned part, the longest idle is found by probes of one
+# ``XPENDING IDLE t - + 1`` each (the server walks the PEL in C until an
+# entry is that idle, the whole PEL when none is): one probe when none is
+# idler than what the scan saw; else probes just above the idlest found so
+# far, each stopping at the next idler entry, and after CHAIN_PROBES of
+# those a doubling then halving search. To within IDLE_RESOLUTION_MS or
+# 0.1%, whichever is larger.
+MAX_IDLE_PROBES = 64
+CHAIN_PROBES = 8
+IDLE_RESOLUTION_MS = 100
 GAUGES = {
     "stream_length": "Entries in the stream (XLEN)",
     "lag": "Entries the group has not been delivered yet (NaN where the server"
     " cannot say: Redis < 7, or after deletions)",
     "pending": "Entries delivered to the group and not acked (its PEL)",
     "oldest_pending_age_seconds": "Idle time of the longest-idle pending entry"
-    f" among the first {PEL_SCAN_LIMIT} of the PEL (0 when none is pending)",
+    " of the whole PEL (0 when none is pending)",
     "consumers": "Consumers registered in the group, dead ones included",
     "last_read_age_seconds": "Seconds since the most recently active consumer"
     " of the group talked to the server (+Inf without consumers)",
@@ -104,6 +114,7 @@ class ConsumerReading:
     name: str
     pending: int
     idle_ms: int
+    # Among the PEL's first PEL_SCAN_LIMIT entries, and its longest-idle one.
     oldest_pending_idle_ms: int | None
 
 
@@ -146,7 +157,9 @@ async def pending_idle_by_consumer(
     client: ScriptClient, stream: str, group: str, pending: int
 ) -> tuple[dict[str, int], int]:
     """Per consumer, the idle ms of its longest-idle pending entry among the
-    first ``PEL_SCAN_LIMIT`` of the PEL; and how many entries were read."""
+    first ``PEL_SCAN_LIMIT`` of the PEL, and the consumer of the longest-idle
+    entry of the whole PEL with that entry's idle; and how many entries were
+    read."""
     if not pending:
         return {}, 0
     scanned = await client.execute_command(
@@ -157,7 +170,54 @@ async def pending_idle_by_consumer(
         name = text(entry["consumer"])
         idle = int(entry["time_since_delivered"])
         oldest[name] = max(idle, oldest.get(name, idle))
+    if len(scanned) < pending:
+        found = await longest_idle_beyond(
+            client, stream, group, max(oldest.values(), default=0)
+        )
+        if found is not None:
+            name, idle = found
+            oldest[name] = max(idle, oldest.get(name, idle))
     return oldest, len(scanned)
+
+
+async def _first_idle_at_least(
+    client: ScriptClient, stream: str, group: str, idle_ms: int
+) -> tuple[str, int] | None:
+    found = await client.execute_command(
+        "XPENDING", stream, group, "IDLE", idle_ms, "-", "+", 1, parse_detail=True
+    )
+    if not found:
+        return None
+    return text(found[0]["consumer"]), int(found[0]["time_since_delivered"])
+
+
+async def longest_idle_beyond(
+    client: ScriptClient, stream: str, group: str, known_ms: int
+) -> tuple[str, int] | None:
+    """The consumer and idle ms of the longest-idle entry of the whole PEL,
+    when one is idler than ``known_ms`` by more than the resolution; else
+    None. Idle times are as of the call: every entry ages while the PEL is
+    probed, so each probe asks for its threshold plus the time gone by."""
+    started = time.monotonic()
+    best: tuple[str, int] | None = None
+    low = known_ms  # an entry at least this idle exists (or none pends)
+    high: int | None = None  # no entry is this idle
+    for probes in range(MAX_IDLE_PROBES):
+        step = max(IDLE_RESOLUTION_MS, low // 1000)
+        if high is not None and high - low <= step:
+            break
+        if high is None:
+            probe = low + step if probes < CHAIN_PROBES else 2 * low
+        else:
+            probe = (low + high) // 2
+        aged = int((time.monotonic() - started) * 1000)
+        found = await _first_idle_at_least(client, stream, group, probe + aged)
+        if found is None:
+            high = probe
+        else:
+            consumer, idle = found
+            best, low = (consumer, idle - aged), max(low, idle - aged)
+    return best
 
 
 def _optional_text(value: Any) -> str | None:
@@ -170,7 +230,7 @@ async def read_group(
     """The group ``info`` (its XINFO GROUPS entry, None when absent)
     describes: a handful of calls whatever the size of the stream (XINFO
     CONSUMERS lists every consumer, the PEL is read up to
-    ``PEL_SCAN_LIMIT``)."""
+    ``PEL_SCAN_LIMIT``, then probed for its longest idle)."""
     call = client.execute_command
     dead = int(await call("XLEN", StreamKeys(stream, group).dead_letters))
     if info is None:

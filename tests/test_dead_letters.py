@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shlex
 from typing import Any
 
 import pytest
@@ -233,6 +235,99 @@ async def test_requeue_by_task_name_moves_only_that_task(
     none_left = cli("requeue", *where, "--task", "app:a")
     assert none_left.returncode == 1
     assert "no dead letters of task 'app:a'" in none_left.stdout
+
+
+async def test_doctor_advises_delete_and_it_deletes_by_task_after_a_dry_run(
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for data in (call("app:a", "a-1"), call("app:b", "b-1"), b"not json"):
+        await dead_letter(redis, data)
+    await dead_letter(redis, call("app:a", "a-2"))
+    where = ("--url", server.admin_url, "--queue", STREAM, "--group", GROUP)
+
+    # The command doctor advises runs as spelled.
+    _, advice, _ = await cli_in_process(capsys, "doctor", *where)
+    advised = re.search(r"`taskiq-atomic-claim (delete [^`]*--all)`", advice)
+    assert advised is not None, advice
+    spelled = advised.group(1).replace("--url URL", f"--url {server.admin_url}")
+    code, out, err = await cli_in_process(capsys, *shlex.split(spelled), "--dry-run")
+    assert code == 0, err
+    assert out.splitlines()[-1] == (
+        "4 dead letters would be deleted for good (dry run: nothing changed)"
+    )
+    code, out, _ = await cli_in_process(capsys, "requeue", *where, "--all", "--dry-run")
+    assert code == 0
+    assert "would requeue" in out and "task app:b  id b-1" in out
+    assert "4 dead letters would be requeued to jobs" in out
+    assert await redis.xlen(KEYS.dead_letters) == 4, "a dry run changes nothing"
+    assert await redis.xlen(STREAM) == 4
+
+    code, out, _ = await cli_in_process(
+        capsys, "delete", *where, "--task", "app:a", "--dry-run"
+    )
+    assert (code, out.count("would delete")) == (0, 2)
+    code, out, _ = await cli_in_process(capsys, "delete", *where, "--task", "app:a")
+    assert code == 0
+    assert out.splitlines()[-1] == f"2 deleted from {KEYS.dead_letters}"
+    left = await list_dead_letters(redis, KEYS)
+    tasks = [letter.task() for letter in left]
+    assert [task.name if task else None for task in tasks] == ["app:b", None]
+
+    code, _, err = await cli_in_process(
+        capsys, "delete", *where, "--id", left[1].id, "--id", "9-9"
+    )
+    assert code == 1 and "9-9" in err, "an id that is not there is reported"
+    assert [letter.id for letter in await list_dead_letters(redis, KEYS)] == [
+        left[0].id
+    ]
+    code, out, _ = await cli_in_process(capsys, "requeue", *where, "--all")
+    assert (code, out.splitlines()[-1]) == (0, f"1 requeued to {STREAM}")
+    assert await redis.xlen(KEYS.dead_letters) == 0
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["dead-letters"],
+        ["requeue", "--all"],
+        ["requeue", "--all", "--dry-run"],
+        ["delete", "--all"],
+        ["delete", "--task", "app:a", "--dry-run"],
+    ],
+)
+async def test_an_unknown_queue_or_group_is_an_error_not_success(
+    server: Server,
+    redis: Redis,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+) -> None:
+    await redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    await dead_letter(redis, call("app:a", "a-1"))
+    url = ("--url", server.admin_url)
+    code, out, err = await cli_in_process(
+        capsys, *command, *url, "--queue", "jbos", "--group", GROUP
+    )
+    assert (code, out) == (2, "")
+    assert err == (
+        "taskiq-atomic-claim: error: no queue 'jbos' on this server: no such"
+        " stream, no dead letters: check --queue and --group\n"
+    )
+    code, out, err = await cli_in_process(
+        capsys, *command, *url, "--queue", STREAM, "--group", "wrokers"
+    )
+    assert (code, out) == (2, "")
+    assert "queue 'jobs' has no group 'wrokers' (its groups: 'workers')" in err
+    assert err.count("\n") == 1
+    await redis.set("a-string", "x")
+    code, _, err = await cli_in_process(capsys, *command, *url, "--queue", "a-string")
+    assert code == 2 and "'a-string' holds a string, not a queue's stream" in err
+    await redis.delete("a-string")
+    # The right names still work.
+    code, _, err = await cli_in_process(
+        capsys, *command, *url, "--queue", STREAM, "--group", GROUP
+    )
+    assert code == 0, err
 
 
 async def test_a_waiter_learns_at_once_that_its_task_was_dead_lettered(

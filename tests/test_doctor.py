@@ -173,6 +173,50 @@ async def test_what_needs_a_person_stays_non_zero_after_fix(
     assert "dead-letters --url URL --queue=jobs" in by_kind["dead-letters"]["advice"]
 
 
+async def test_a_backlog_no_live_consumer_reads_comes_first(
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await healthy_group(redis)
+    for number in range(5):
+        await redis.xadd(KEYS.stream, {"data": f"w{number}"})
+    live = await diagnose(redis, thresholds=Thresholds(idle_timeout_ms=1000))
+    assert kinds(live.findings) == [], "its consumer read just now: a live worker"
+
+    # The library gone too: normally the first finding; the outage ranks
+    # before it.
+    await server_command(redis, "SCRIPT", "FLUSH")
+    if server.major >= 7:
+        await server_command(redis, "FUNCTION", "FLUSH")
+    await asyncio.sleep(0.25)
+    code, out, _ = await cli_in_process(
+        capsys, "doctor", "--url", server.url, "--idle-timeout-ms", "100"
+    )
+    assert code == 1
+    lines = out.splitlines()
+    waiting = "5 entries" if server.major >= 7 else "entries"  # 6.2: no lag
+    assert lines[0].startswith(
+        f"[unread-backlog] jobs / workers: {waiting} waiting and none of its"
+        " 1 consumer has talked to the server for "
+    )
+    assert lines[0].endswith(": no live worker reads this group")
+    assert lines[1].startswith(
+        "    what to do: start workers with queue_name='jobs' and"
+        " consumer_group_name='workers'"
+    )
+    assert lines[1].endswith("(--idle-timeout-ms to tune)")
+    assert lines[2].startswith("[library]")
+
+    # A group nobody ever joined, under the default idle timeout.
+    await ScriptRunner().load(redis)
+    await redis.xgroup_create("mail", "taskiq", id="0", mkstream=True)
+    await redis.xadd("mail", {"data": "m"})
+    [finding] = (await diagnose(redis, ["mail"])).findings
+    assert (finding.kind, finding.subject) == ("unread-backlog", "mail / taskiq")
+    assert "no consumer has ever read it" in finding.problem
+    await redis.xreadgroup("taskiq", "worker", {"mail": ">"})
+    assert (await diagnose(redis, ["mail"])).findings == []
+
+
 async def test_named_streams_and_groups_that_do_not_exist(
     server: Server, redis: Redis
 ) -> None:

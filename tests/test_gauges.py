@@ -11,6 +11,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,11 +19,21 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.admin.acl import worker_acl_rule
-from taskiq_atomic_claim.gauges import GAUGES, PREFIX, ServerGauges, next_gap
+from taskiq_atomic_claim.gauges import (
+    GAUGES,
+    PEL_SCAN_LIMIT,
+    PREFIX,
+    ServerGauges,
+    next_gap,
+    read_group,
+    read_group_gauges,
+)
 from taskiq_atomic_claim.harness.drill import Worker
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import COUNTERS
+from taskiq_atomic_claim.operations import set_idle_call
+from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server, acl_log_entries, server_command, with_user
 from tests.test_oom import until
 from tests.test_reliability import cancel_swallowing_connection
@@ -66,6 +77,68 @@ async def queue(redis: Redis) -> AsyncIterator[str]:
     name = f"taskiq-atomic-claim-gauges-{uuid.uuid4().hex[:8]}"
     yield name
     await redis.delete(name, StreamKeys(name, GROUP).dead_letters)
+
+
+async def _longest_idle_of_every_entry(redis: Redis, queue: str) -> int:
+    entries = await redis.xpending_range(queue, GROUP, "-", "+", 10_000)
+    return max(int(entry["time_since_delivered"]) for entry in entries)
+
+
+async def test_oldest_pending_reads_the_whole_pel(redis: Redis, queue: str) -> None:
+    """A dead consumer's entries idle behind more than the scanned part of
+    the PEL held by a live one: the gauge sees them."""
+    await redis.xgroup_create(queue, GROUP, id="0", mkstream=True)
+    async with redis.pipeline(transaction=False) as pipe:
+        for n in range(1500):
+            pipe.xadd(queue, {"data": str(n)})
+        await pipe.execute()
+    live: Any = await redis.xreadgroup(GROUP, "live", {queue: ">"}, count=1200)
+    dead: Any = await redis.xreadgroup(GROUP, "dead", {queue: ">"}, count=300)
+    assert len(live[0][1]) == 1200 > PEL_SCAN_LIMIT and len(dead[0][1]) == 300
+    dead_ids = [entry_id.decode() for entry_id, _ in dead[0][1]]
+
+    fresh = await read_group_gauges(redis, queue, GROUP)
+    assert fresh.pending == 1500
+    assert fresh.oldest_pending_idle_ms is not None
+    assert fresh.oldest_pending_idle_ms < 10_000
+
+    async def set_idle(idle_ms: int, ids: list[str]) -> None:
+        call = set_idle_call(
+            stream=queue, group=GROUP, consumer="dead", idle_ms=idle_ms, entry_ids=ids
+        )
+        assert await ScriptRunner().run(redis, call) == []  # all still its own
+
+    # One entry in the middle idler still: found by the search, not the
+    # first probe.
+    await set_idle(20_000, dead_ids)
+    await set_idle(45_000, [dead_ids[150]])
+    gauges = await read_group_gauges(redis, queue, GROUP)
+    assert gauges.oldest_pending_idle_ms is not None
+    assert gauges.oldest_pending_idle_ms >= 45_000
+    assert gauges.oldest_pending_idle_ms <= await _longest_idle_of_every_entry(
+        redis, queue
+    )
+    assert gauges.values()["oldest_pending_age_seconds"] >= 45.0
+
+    # Idler and idler further on, more than the search follows one by one:
+    # it doubles, then halves, onto the idlest.
+    for n in range(12):
+        await set_idle(50_000 + 1000 * n, [dead_ids[200 + n]])
+    gauges = await read_group_gauges(redis, queue, GROUP)
+    assert gauges.oldest_pending_idle_ms is not None
+    assert gauges.oldest_pending_idle_ms >= 61_000
+    assert gauges.oldest_pending_idle_ms <= await _longest_idle_of_every_entry(
+        redis, queue
+    )
+
+    # The consumer holding it is named (doctor's stale-pending names it).
+    reading = await read_group(
+        redis, queue, GROUP, (await redis.xinfo_groups(queue))[0]
+    )
+    by_name = {c.name: c for c in reading.consumers}
+    assert (by_name["dead"].oldest_pending_idle_ms or 0) >= 61_000
+    assert (by_name["live"].oldest_pending_idle_ms or 0) < 10_000
+    assert reading.pel_scanned == PEL_SCAN_LIMIT
 
 
 def test_reading_takes_at_most_a_fifth_of_the_time() -> None:

@@ -274,6 +274,133 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             await browser.close()
 
 
+async def test_the_page_asks_before_deleting_and_shows_refusals(
+    chromium: str, serve: Serve, redis: Redis, queue: str
+) -> None:
+    from playwright.async_api import Dialog, async_playwright, expect  # noqa: PLC0415
+
+    keys = StreamKeys(queue, GROUP)
+    asked: list[str] = []
+    answer = {"accept": True}
+
+    async def on_dialog(dialog: Dialog) -> None:
+        asked.append(dialog.message)
+        await (dialog.accept() if answer["accept"] else dialog.dismiss())
+
+    async with async_playwright() as driver:
+        browser = await driver.chromium.launch(
+            executable_path=chromium, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = await browser.new_page(viewport={"width": 1100, "height": 760})
+            page.on("dialog", on_dialog)
+            await page.goto(serve.base + "/")
+            group = page.locator(f'section.group[data-group="{GROUP}"]')
+            letters = group.locator("tr[data-letter]")
+            await expect(letters).to_have_count(2)
+            first = await letters.first.get_attribute("data-letter")
+            delete = letters.first.locator('button[data-action="delete"]')
+            shown = page.locator("#outcome")
+
+            # A wrong token: asked first, then the 401 shows and stays
+            # through redraws (serve refreshes every 0.3 s).
+            await page.fill("#token", "not-the-token-at-all")
+            await delete.click()
+            await expect(shown).to_have_text(
+                "delete refused (401): wrong or missing token"
+            )
+            assert asked == [
+                f"Delete dead letter {first} (task {TASK}) of {queue} / {GROUP}"
+                " for good?"
+            ]
+            await page.wait_for_timeout(1000)
+            await expect(shown).to_have_text(
+                "delete refused (401): wrong or missing token"
+            )
+            assert await redis.xlen(keys.dead_letters) == 2
+
+            # The right token, but the operator says no: nothing is sent.
+            await page.fill("#token", TOKEN)
+            answer["accept"] = False
+            await delete.click()
+            assert await until(lambda: len(asked) == 2, 10)
+            await page.wait_for_timeout(500)
+            assert await redis.xlen(keys.dead_letters) == 2
+
+            # Bulk by task name: a dry run counts them, the confirm names
+            # the count; what is typed survives redraws.
+            bulk_task = group.locator('[data-k="bulk-task"]')
+            await bulk_task.fill("reports.nothing")
+            await group.locator('button[data-bulk="delete"]').click()
+            await expect(shown).to_have_text(
+                f"no dead letters of task reports.nothing in {queue} / {GROUP}"
+            )
+            assert len(asked) == 2, "nothing to delete: nothing asked"
+            await bulk_task.fill(TASK)
+            await page.wait_for_timeout(1000)
+            await expect(bulk_task).to_have_value(TASK)
+            answer["accept"] = True
+            await group.locator('button[data-bulk="delete"]').click()
+            await expect(shown).to_have_text(
+                f"deleted 2 ({queue} / {GROUP} of task {TASK})"
+            )
+            assert asked[-1] == (
+                f"Delete 2 dead letters of task {TASK} of {queue} / {GROUP} for good?"
+            )
+            assert await redis.xlen(keys.dead_letters) == 0
+            await expect(group.locator('[data-k="dead"]')).to_have_text("0")
+        finally:
+            await browser.close()
+
+
+def post_json(serve: Serve, path: str, body: Any) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    request = urllib.request.Request(
+        serve.base + path, json.dumps(body).encode(), headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status), json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return int(error.code), json.loads(error.read())
+
+
+async def test_bulk_changes_have_a_dry_run_and_unknown_names_are_404(
+    serve: Serve, redis: Redis, queue: str
+) -> None:
+    keys = StreamKeys(queue, GROUP)
+    where = {"stream": queue, "group": GROUP}
+    code, body = post_json(
+        serve, "/api/dead-letters/requeue", {**where, "all": True, "dry_run": True}
+    )
+    assert (code, body["count"], len(body["ids"])) == (200, 2, 2)
+    code, body = post_json(
+        serve, "/api/dead-letters/delete", {**where, "task": "other", "dry_run": True}
+    )
+    assert (code, body["ids"]) == (200, [])
+    assert await redis.xlen(keys.dead_letters) == 2, "a dry run changes nothing"
+
+    code, body = post_json(
+        serve, "/api/dead-letters/delete", {**where, "group": "tasikq", "all": True}
+    )
+    assert code == 404
+    assert body["error"] == (
+        f"queue {queue!r} has no group 'tasikq' (its groups: {GROUP!r})"
+    )
+    code, body = post_json(
+        serve, "/api/dead-letters/delete", {**where, "stream": "nope", "all": True}
+    )
+    assert code == 404 and "no queue 'nope'" in body["error"]
+    code, body = post_json(
+        serve, "/api/dead-letters/delete", {**where, "all": True, "task": TASK}
+    )
+    assert code == 400 and "one of ids, task or all" in body["error"]
+
+    code, body = post_json(serve, "/api/dead-letters/requeue", {**where, "task": TASK})
+    assert (code, len(body["requeued"])) == (200, 2)
+    assert await redis.xlen(keys.dead_letters) == 0
+
+
 def shape(value: Any) -> Any:
     """A JSON document's keys, nested, without its values."""
     if isinstance(value, dict):

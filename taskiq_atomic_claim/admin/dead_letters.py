@@ -4,7 +4,7 @@ people to decide. Moving an entry there is the runtime's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -120,14 +120,42 @@ async def find_dead_letter_queues(
     return sorted(found, key=lambda k: (k.stream, k.group)), True
 
 
-async def dead_letter_ids_of_task(
+async def unknown_pair(client: Redis, keys: StreamKeys) -> str | None:
+    """Why ``keys`` names no queue and group of this server (a mistyped
+    ``--queue`` or ``--group``); None when the stream has the group, or when
+    the pair has dead letters (its stream may be gone since)."""
+    if await client.exists(keys.dead_letters):
+        return None
+    kind = _text(await client.type(keys.stream))
+    if kind == "none":
+        return (
+            f"no queue {keys.stream!r} on this server: no such stream, no dead letters"
+        )
+    if kind != "stream":
+        return f"{keys.stream!r} holds a {kind}, not a queue's stream"
+    groups = sorted(_text(g["name"]) for g in await client.xinfo_groups(keys.stream))
+    if keys.group in groups:
+        return None
+    named = ", ".join(repr(g) for g in groups) or "none"
+    return f"queue {keys.stream!r} has no group {keys.group!r} (its groups: {named})"
+
+
+async def chosen_dead_letters(
     client: Redis,
     keys: StreamKeys,
-    task_name: str,
+    ids: list[str] | None = None,
+    task_name: str | None = None,
     formatter: TaskiqFormatter | None = None,
-) -> list[str]:
-    """Ids of the dead letters whose message is a call of ``task_name``."""
-    found: list[str] = []
+) -> AsyncIterator[DeadLetter]:
+    """The dead letters of these ids (those that exist), else of calls of
+    ``task_name``, else all of them: what a requeue or delete acts on. One
+    batch at a time: a million payloads are never held at once."""
+    if ids is not None:
+        for wanted in dict.fromkeys(ids):
+            exact = await client.xrange(keys.dead_letters, wanted, wanted)
+            for entry_id, fields in exact or []:
+                yield _parse(entry_id, fields)
+        return
     start = "-"
     for _ in range(MAX_DEAD_LETTERS_SCANNED // REQUEUE_BATCH):
         entries = (
@@ -135,13 +163,37 @@ async def dead_letter_ids_of_task(
         )
         for entry_id, fields in entries:
             letter = _parse(entry_id, fields)
+            if task_name is None:
+                yield letter
+                continue
             task = letter.task(formatter)
             if task is not None and task.name == task_name:
-                found.append(letter.id)
+                yield letter
         if len(entries) < REQUEUE_BATCH:
             break
         start = "(" + _text(entries[-1][0])  # exclusive: after the last one read
-    return found
+
+
+async def chosen_dead_letter_ids(
+    client: Redis,
+    keys: StreamKeys,
+    ids: list[str] | None = None,
+    task_name: str | None = None,
+    formatter: TaskiqFormatter | None = None,
+) -> list[str]:
+    """The ids ``chosen_dead_letters`` finds."""
+    chosen = chosen_dead_letters(client, keys, ids, task_name, formatter)
+    return [letter.id async for letter in chosen]
+
+
+async def dead_letter_ids_of_task(
+    client: Redis,
+    keys: StreamKeys,
+    task_name: str,
+    formatter: TaskiqFormatter | None = None,
+) -> list[str]:
+    """Ids of the dead letters whose message is a call of ``task_name``."""
+    return await chosen_dead_letter_ids(client, keys, None, task_name, formatter)
 
 
 async def requeue_dead_letters(
@@ -197,5 +249,11 @@ async def dead_letters_page(
 
 
 async def delete_dead_letters(client: Redis, keys: StreamKeys, ids: list[str]) -> int:
-    """Drop these dead letters for good; how many existed."""
-    return int(await client.xdel(keys.dead_letters, *ids)) if ids else 0
+    """Drop these dead letters for good; how many existed. Each batch is
+    one XDEL: an id either is deleted or was not there (requeued since)."""
+    deleted = 0
+    for i in range(0, len(ids), REQUEUE_BATCH):
+        deleted += int(
+            await client.xdel(keys.dead_letters, *ids[i : i + REQUEUE_BATCH])
+        )
+    return deleted

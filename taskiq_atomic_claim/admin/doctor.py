@@ -2,6 +2,10 @@
 
 Findings are data: a kind, a subject, the problem, advice in words and the
 ``Action`` it points to; ``cli/doctor.py`` spells the command to run.
+An outage comes first: ``unread-backlog``, entries waiting in a group that
+no consumer has read for ``UNREAD_TIMEOUTS`` idle timeouts (or that has no
+consumer): its workers are gone or stuck. A live worker, even one busy with
+long tasks, talks to the server at least every heartbeat.
 ``apply_fixes`` fixes those marked fixable:
 
 - ``legacy-lock`` (fixable): an ``autoclaim:*`` key without an expiry, left
@@ -58,6 +62,10 @@ DEFAULT_LOCK_EXPIRY_MS = 600_000
 DEFAULT_CONSUMER_IDLE_MS = 24 * 3600 * 1000
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_STALE_PENDING_MS = 3600 * 1000
+# taskiq-redis's RedisStreamBroker default idle_timeout (ms), and how many of
+# them without a read, with entries waiting, make a backlog nobody reads.
+DEFAULT_IDLE_TIMEOUT_MS = 600_000
+UNREAD_TIMEOUTS = 2
 LEGACY_LOCK_PATTERN = "autoclaim:*"
 MAX_LEGACY_LOCKS = 10_000
 
@@ -68,6 +76,7 @@ class Thresholds:
     max_pending: int = DEFAULT_MAX_PENDING
     stale_pending_ms: int = DEFAULT_STALE_PENDING_MS
     lock_expiry_ms: int = DEFAULT_LOCK_EXPIRY_MS
+    idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS
 
 
 class Action(Enum):
@@ -234,7 +243,11 @@ async def diagnose(
                     )
                 continue
             groups_checked += 1
+            waiting = await _waiting(client, stream.name, view)
+            findings += _backlog_findings(stream.name, view, waiting, limits)
             findings += _group_findings(stream.name, view, limits)
+    # Ranked: an outage first (the sort keeps the order within each rank).
+    findings.sort(key=lambda finding: finding.kind != "unread-backlog")
     warnings = [
         Finding(risk.kind, "server", risk.problem, risk.advice)
         for risk in await durability_risks(client)
@@ -245,6 +258,53 @@ async def diagnose(
         groups_checked,
         findings,
         warnings,
+    )
+
+
+def _entry_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def _waiting(client: Redis, stream: str, view: Any) -> int | None:
+    """Entries the group has not been delivered yet; None: some, how many
+    unknown (Redis 6.2 has no lag, nor has 7+ after some deletions)."""
+    if view.lag is not None:
+        return int(view.lag)
+    last = await client.xrevrange(stream, count=1)
+    if not last or view.last_delivered_id is None:
+        return 0
+    newest = _entry_id(text(last[0][0]))
+    return None if newest > _entry_id(view.last_delivered_id) else 0
+
+
+def _backlog_findings(
+    stream: str, view: Any, waiting: int | None, limits: Thresholds
+) -> Iterable[Finding]:
+    if waiting == 0:
+        return
+    unread_ms = UNREAD_TIMEOUTS * limits.idle_timeout_ms
+    idle = view.last_read_idle_ms
+    if view.consumer_count and idle is not None and idle <= unread_ms:
+        return
+    entries = "entries" if waiting is None else plural(waiting, "entry")
+    if not view.consumer_count:
+        why = "no consumer has ever read it"
+    else:
+        why = (
+            f"none of its {plural(view.consumer_count, 'consumer')} has talked"
+            f" to the server for {duration(idle or 0)}"
+        )
+    yield Finding(
+        "unread-backlog",
+        f"{stream} / {view.name}",
+        f"{entries} waiting and {why}: no live worker reads this group",
+        f"start workers with queue_name={stream!r} and"
+        f" consumer_group_name={view.name!r}, or find why they stopped"
+        " (crashed, scaled to 0, blocked); delete dead consumers with"
+        " --fix once they hold nothing",
+        stream=stream,
+        group=view.name,
     )
 
 

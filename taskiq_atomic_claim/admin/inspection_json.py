@@ -41,9 +41,9 @@ format 1; existing keys keep their names, types and meaning::
           "pending": 3,          # PEL size (XPENDING)
           "last_delivered_id": "1700000000000-0" | null,
           "lag": 0 | null,       # entries not yet delivered (Redis >= 7)
-          "oldest_pending_idle_ms": 61000 | null,
-          "pel_scanned": 3,      # PEL entries read for the idle times
-          "pel_scan_complete": true,  # false: idle times are lower bounds
+          "oldest_pending_idle_ms": 61000 | null,  # over the whole PEL
+          "pel_scanned": 3,      # PEL entries read for consumers' idle times
+          "pel_scan_complete": true,  # false: consumers' oldest are lower bounds
           "consumer_count": 1,   # all of the group's consumers
           "last_read_idle_ms": 120 | null,  # the least idle of all of them
                                  # (null without consumers)

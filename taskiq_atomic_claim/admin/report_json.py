@@ -16,7 +16,7 @@ meaning. ``null`` means unknown or absent.
       "streams_checked": 2,
       "groups_checked": 1,
       "findings": [{
-        "kind": "stale-pending", # the kinds of admin/doctor.py
+        "kind": "stale-pending", # the kinds of admin/doctor.py, outage first
         "subject": "jobs / workers",
         "problem": "an entry held by consumer 'w-1' has been pending for 2 h ...",
         "advice": "what to do, naming the command to run",

@@ -1,4 +1,5 @@
-"""``dead-letters`` and ``requeue``: list what a group gave up on, put it back."""
+"""``dead-letters``, ``requeue`` and ``delete``: list what a group gave up on,
+put it back or drop it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.dead_letters import (
     DeadLetter,
-    dead_letter_ids_of_task,
+    chosen_dead_letter_ids,
+    chosen_dead_letters,
+    delete_dead_letters,
     entry_time,
     find_dead_letter_queues,
     list_dead_letters,
     preview,
     requeue_dead_letters,
+    unknown_pair,
 )
 from taskiq_atomic_claim.admin.inspection import plural
 from taskiq_atomic_claim.admin.report_json import (
@@ -77,16 +81,36 @@ def add_parser(commands: Any) -> None:
         "requeue",
         help="put dead letters back on their stream",
         description="Re-add chosen dead letters (by id, by task name, or all)"
-        " to their stream as new entries, atomically per batch.",
+        " to their stream as new entries, atomically per batch. --dry-run"
+        " lists them and changes nothing.",
     )
-    add_stream_options(requeue)
-    chosen = requeue.add_mutually_exclusive_group(required=True)
+    _add_choice_options(requeue)
+    requeue.set_defaults(run=run_requeue)
+
+    delete = commands.add_parser(
+        "delete",
+        help="delete dead letters for good",
+        description="Delete chosen dead letters (by id, by task name, or all)"
+        " from the group's dead-letter stream. --dry-run lists them and"
+        " changes nothing.",
+    )
+    _add_choice_options(delete)
+    delete.set_defaults(run=run_delete)
+
+
+def _add_choice_options(command: argparse.ArgumentParser) -> None:
+    add_stream_options(command)
+    chosen = command.add_mutually_exclusive_group(required=True)
     chosen.add_argument("--id", action="append", dest="ids", help="dead letter id")
     chosen.add_argument(
         "--task", metavar="NAME", help="every dead letter of this task name"
     )
     chosen.add_argument("--all", action="store_true", help="every dead letter")
-    requeue.set_defaults(run=run_requeue)
+    command.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what it would act on; change nothing",
+    )
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -94,7 +118,11 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_requeue(args: argparse.Namespace) -> int:
-    return asyncio.run(_requeue(args))
+    return asyncio.run(_change(args, "requeue"))
+
+
+def run_delete(args: argparse.Namespace) -> int:
+    return asyncio.run(_change(args, "delete"))
 
 
 def _when(entry_id: str) -> str:
@@ -130,7 +158,9 @@ async def _pages(client: Redis, args: argparse.Namespace) -> tuple[list[_Page], 
     """A page per queue: the named one, or every one with dead letters
     (True when their discovery was cut)."""
     if args.queue is not None:
-        queues, cut = [StreamKeys(args.queue, args.group or "taskiq")], False
+        named = StreamKeys(args.queue, args.group or "taskiq")
+        await require_known(client, named)
+        queues, cut = [named], False
     else:
         queues, cut = await find_dead_letter_queues(client, args.group)
     pages = []
@@ -187,20 +217,50 @@ async def _dead_letters(args: argparse.Namespace) -> int:
     return await on_each_target(targets, listing, "listed")
 
 
-async def _requeue(args: argparse.Namespace) -> int:
+async def require_known(client: Redis, keys: StreamKeys) -> None:
+    """A mistyped --queue or --group is an error, not an empty success."""
+    problem = await unknown_pair(client, keys)
+    if problem is not None:
+        raise CommandError(f"{problem}: check --queue and --group")
+
+
+async def _change(args: argparse.Namespace, verb: str) -> int:
+    """``requeue`` or ``delete`` the chosen dead letters (or, with
+    --dry-run, list them)."""
     keys = StreamKeys(args.queue, args.group)
-    ids: list[str] | None = args.ids
     async with connected((await server_of(args, keys)).options) as client:
-        if args.task is not None:
-            ids = await dead_letter_ids_of_task(client, keys, args.task)
-            if not ids:
-                print(f"no dead letters of task {args.task!r} in {keys.dead_letters}")
-                return 1
-        moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
-    for old, new in moved:
-        print(f"requeued {old} -> {keys.stream} {new}")
-    print(f"{len(moved)} requeued to {keys.stream}")
-    missing = sorted(set(ids or ()) - {old for old, _ in moved})
+        await require_known(client, keys)
+        task = args.task if not args.ids else None
+        if args.dry_run:
+            ids = []
+            async for letter in chosen_dead_letters(client, keys, args.ids, task):
+                print(f"would {verb} {_describe(letter)}")
+                ids.append(letter.id)
+        else:
+            ids = await chosen_dead_letter_ids(client, keys, args.ids, task)
+        if args.task is not None and not ids:
+            print(f"no dead letters of task {args.task!r} in {keys.dead_letters}")
+            return 1
+        if args.dry_run:
+            where = f"to {keys.stream}" if verb == "requeue" else "for good"
+            print(
+                f"{plural(len(ids), 'dead letter')} would be {verb}d {where}"
+                " (dry run: nothing changed)"
+            )
+            done = ids
+        elif verb == "requeue":
+            moved = await requeue_dead_letters(ScriptRunner(), client, keys, ids)
+            for old, new in moved:
+                print(f"requeued {old} -> {keys.stream} {new}")
+            print(f"{len(moved)} requeued to {keys.stream}")
+            done = [old for old, _ in moved]
+        else:
+            deleted = await delete_dead_letters(client, keys, ids)
+            for entry_id in ids:
+                print(f"deleted {entry_id}")
+            print(f"{deleted} deleted from {keys.dead_letters}")
+            done = ids
+    missing = sorted(set(args.ids or ()) - set(done))
     if missing:
         print(
             f"not dead letters of {keys.stream}: {', '.join(missing)}", file=sys.stderr

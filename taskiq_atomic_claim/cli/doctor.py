@@ -12,9 +12,11 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.doctor import (
     DEFAULT_CONSUMER_IDLE_MS,
+    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_LOCK_EXPIRY_MS,
     DEFAULT_MAX_PENDING,
     DEFAULT_STALE_PENDING_MS,
+    UNREAD_TIMEOUTS,
     Action,
     Diagnosis,
     Finding,
@@ -41,6 +43,7 @@ _TUNING = {
     "idle-consumer": "--consumer-idle-ms",
     "pel-size": "--max-pending",
     "stale-pending": "--stale-pending-ms",
+    "unread-backlog": "--idle-timeout-ms",
 }
 
 
@@ -48,7 +51,8 @@ def add_parser(commands: Any) -> None:
     doctor = commands.add_parser(
         "doctor",
         help="find what needs attention; --fix repairs what is safe to",
-        description="Check for no-expiry taskiq-redis <= 1.1.x locks, idle"
+        description="Check for a backlog no live worker reads (first), no-expiry"
+        " taskiq-redis <= 1.1.x locks, idle"
         " empty consumers, a missing or outdated library, large or stale PELs,"
         " dead letters and streams nobody consumes. Exit 0 healthy, 1 needs"
         " attention, 2 on errors.",
@@ -85,6 +89,14 @@ def add_parser(commands: Any) -> None:
         f" (default: {DEFAULT_LOCK_EXPIRY_MS})",
     )
     doctor.add_argument(
+        "--idle-timeout-ms",
+        type=milliseconds,
+        default=DEFAULT_IDLE_TIMEOUT_MS,
+        help="the workers' idle_timeout: entries waiting that no consumer read"
+        f" for {UNREAD_TIMEOUTS}x this are a backlog nobody reads"
+        f" (default: {DEFAULT_IDLE_TIMEOUT_MS})",
+    )
+    doctor.add_argument(
         "--json", action="store_true", help="stable JSON (see admin/report_json.py)"
     )
     doctor.set_defaults(run=run)
@@ -100,6 +112,7 @@ async def _doctor(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         stale_pending_ms=args.stale_pending_ms,
         lock_expiry_ms=args.lock_expiry_ms,
+        idle_timeout_ms=args.idle_timeout_ms,
     )
     targets = await resolve_targets(args, args.queues)
 
@@ -145,7 +158,8 @@ def advice(finding: Finding, reach: str) -> str:
         )
         words = (
             f"review: `{PROG} dead-letters {scope}`; then"
-            f" `{PROG} requeue {scope} --all`, or delete them"
+            f" `{PROG} requeue {scope} --all` or `{PROG} delete {scope} --all`"
+            " (--task NAME for one task's, --dry-run to see which first)"
         )
     if finding.kind in _TUNING and finding.action is not Action.RERUN_AFTER_FIX:
         words += f" ({_TUNING[finding.kind]} to tune)"

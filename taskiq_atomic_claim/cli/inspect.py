@@ -113,10 +113,9 @@ def render_inspection(inspection: Inspection) -> str:
                 lines.append(f"  group {group.name!r}: does not exist")
             else:
                 lag = "" if group.lag is None else f", lag {group.lag}"
-                bound = "" if group.pel_scan_complete else " or more"
                 lines.append(
                     f"  group {group.name!r}: {group.pending} pending{lag}, oldest"
-                    f" idle {duration(group.oldest_pending_idle_ms)}{bound}"
+                    f" idle {duration(group.oldest_pending_idle_ms)}"
                 )
             lines.append(
                 f"    {_lease_text(group.lease)}; {_cursor_text(group.cursor)};"
@@ -129,7 +128,8 @@ def render_inspection(inspection: Inspection) -> str:
                         repr(consumer.name),
                         str(consumer.pending),
                         duration(consumer.idle_ms),
-                        duration(consumer.oldest_pending_idle_ms),
+                        duration(consumer.oldest_pending_idle_ms)
+                        + ("" if group.pel_scan_complete else "+"),
                     ]
                     for consumer in group.consumers
                 ]

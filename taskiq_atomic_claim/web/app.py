@@ -14,8 +14,11 @@ Routes, relative to where it is mounted:
 - ``GET /api/dead-letters?stream=S&group=G&before=ID&count=N``: one page
   of dead letters, newest first (``dead_letter_page_to_json``).
 - ``POST /api/dead-letters/requeue`` and ``POST /api/dead-letters/delete``
-  with ``{"stream": S, "group": G, "ids": [...]}`` and the header
-  ``Authorization: Bearer TOKEN``: only when made with ``token``; never a GET.
+  with ``{"stream": S, "group": G}`` and one of ``"ids": [...]``,
+  ``"task": NAME`` or ``"all": true`` (``"dry_run": true``: the ids it would
+  act on, nothing changed), and the header ``Authorization: Bearer TOKEN``:
+  only when made with ``token``; never a GET. An unknown stream or group
+  is a 404.
 - ``GET /metrics``: the gauges of ``taskiq_atomic_claim.gauges``, from the
   same reading as the page.
 
@@ -49,9 +52,11 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from taskiq_atomic_claim.admin.dead_letters import (
+    chosen_dead_letter_ids,
     dead_letters_page,
     delete_dead_letters,
     requeue_dead_letters,
+    unknown_pair,
 )
 from taskiq_atomic_claim.admin.inspection import (
     Inspection,
@@ -234,7 +239,17 @@ class _Routes:
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
             return JSONResponse({"error": "wrong or missing token"}, status_code=401)
-        keys, ids = _change_request(await request.body())
+        change = _change_request(await request.body())
+        keys = change.keys
+        problem = await unknown_pair(self.client, keys)
+        if problem is not None:
+            return JSONResponse({"error": problem}, status_code=404)
+        ids = await chosen_dead_letter_ids(self.client, keys, change.ids, change.task)
+        if change.dry_run:
+            # What the same request without dry_run acts on, as of now.
+            return JSONResponse(
+                {"format": FORMAT, "dry_run": True, "ids": ids, "count": len(ids)}
+            )
         if request.url.path.endswith("/requeue"):
             runner = self.reader.runner
             moved = await requeue_dead_letters(runner, self.client, keys, ids)
@@ -255,7 +270,15 @@ class _Routes:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _change_request(raw: bytes) -> tuple[StreamKeys, list[str]]:
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    keys: StreamKeys
+    ids: list[str] | None  # None: by task name, or all
+    task: str | None
+    dry_run: bool
+
+
+def _change_request(raw: bytes) -> _Change:
     try:
         body = json.loads(raw)
     except ValueError:
@@ -263,12 +286,24 @@ def _change_request(raw: bytes) -> tuple[StreamKeys, list[str]]:
     if not isinstance(body, dict):
         raise _BadRequestError("the body must be a JSON object")
     keys = _keys(body)
-    ids = body.get("ids")
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+    chosen = [name for name in ("ids", "task", "all") if name in body]
+    if len(chosen) != 1:
+        raise _BadRequestError("name the dead letters: one of ids, task or all")
+    ids, task = body.get("ids"), body.get("task")
+    if "ids" in body and (
+        not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)
+    ):
         raise _BadRequestError("ids must be a list of dead-letter ids")
-    if not ids:
+    if "ids" in body and not ids:
         raise _BadRequestError("ids is empty: name the dead letters")
-    return keys, ids
+    if "task" in body and (not isinstance(task, str) or not task):
+        raise _BadRequestError("task must be a task name")
+    if "all" in body and body["all"] is not True:
+        raise _BadRequestError("all must be true")
+    dry_run = body.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise _BadRequestError("dry_run must be true or false")
+    return _Change(keys, ids, task, dry_run)
 
 
 async def _bad_request(_: Request, error: Exception) -> Response:
