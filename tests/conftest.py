@@ -269,6 +269,33 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Modules whose behaviour differs by reclaim path, not by server beyond it:
+# each runs on one server per path (the first found of each group). The
+# matrix modules (claim script, server info, ACL, kicks, ...) cover what
+# differs between servers of one path.
+LUA_PATH = ("redis-7.0.15", "valkey-9.1.2", "valkey-8.1.8", "redis-6.2.14")
+NATIVE_PATH = ("redis-8.6.3",)
+# 6.2 loads its scripts with EVALSHA, not as a function library.
+EVALSHA_PATH = ("redis-6.2.14",)
+PATH_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "test_cli": (LUA_PATH, NATIVE_PATH),
+    "test_doctor": (LUA_PATH, NATIVE_PATH),
+    "test_crash_drill": (LUA_PATH, NATIVE_PATH),
+    "test_unknown_tasks": (LUA_PATH, NATIVE_PATH),
+    "test_faults": (EVALSHA_PATH, LUA_PATH, NATIVE_PATH),
+    "test_reliability": (EVALSHA_PATH, LUA_PATH, NATIVE_PATH),
+}
+
+
+def _one_per_path(paths: tuple[tuple[str, ...], ...], params: list[str]) -> list[str]:
+    chosen: list[str] = []
+    for path in paths:
+        found = next((p for p in path if p in params and p not in chosen), None)
+        if found is not None:
+            chosen.append(found)
+    return chosen or params[:1]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # The server matrix, narrowed by --server: deselected, not skipped, so
     # the summary counts only what ran.
@@ -276,9 +303,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     chosen = metafunc.config.getoption("--server")
     params = [p for p in _server_params() if not chosen or p in chosen]
-    assigned = ONE_SERVER_MODULES.get(metafunc.module.__name__.rsplit(".", 1)[-1])
-    if assigned and not chosen and not metafunc.config.getoption("--all-servers"):
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    assigned = ONE_SERVER_MODULES.get(module)
+    paths = PATH_MODULES.get(module)
+    narrowed = not chosen and not metafunc.config.getoption("--all-servers")
+    if assigned and narrowed:
         params = [next((p for p in assigned if p in params), params[0])][:1]
+    elif paths and narrowed and params:
+        params = _one_per_path(paths, params)
     unknown = sorted(set(chosen) - set(_server_params()))
     if unknown:
         raise pytest.UsageError(
