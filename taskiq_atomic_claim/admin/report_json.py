@@ -16,7 +16,9 @@ meaning. ``null`` means unknown or absent.
       "streams_checked": 2,
       "groups_checked": 1,
       "findings": [{
-        "kind": "stale-pending", # the kinds of admin/doctor.py, outage first
+        "kind": "stale-pending", # the kinds of admin/doctor.py
+        "severity": "critical" | "warning" | "notice",  # ranked by it, most
+                                 # urgent first; an outage first of all
         "subject": "jobs / workers",
         "problem": "an entry held by consumer 'w-1' has been pending for 2 h ...",
         "advice": "what to do, naming the command to run",
@@ -71,6 +73,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 def _finding_json(finding: Finding, advice: Callable[[Finding], str]) -> dict[str, Any]:
     return {
         "kind": finding.kind,
+        "severity": finding.severity.value,
         "subject": finding.subject,
         "problem": finding.problem,
         "advice": advice(finding),
