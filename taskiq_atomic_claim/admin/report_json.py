@@ -70,7 +70,9 @@ from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.keys import StreamKeys
 
 
-def _finding_json(finding: Finding, advice: Callable[[Finding], str]) -> dict[str, Any]:
+def finding_to_json(
+    finding: Finding, advice: Callable[[Finding], str]
+) -> dict[str, Any]:
     return {
         "kind": finding.kind,
         "severity": finding.severity.value,
@@ -98,8 +100,8 @@ def diagnosis_to_json(
         "healthy": diagnosis.healthy,
         "streams_checked": diagnosis.streams_checked,
         "groups_checked": diagnosis.groups_checked,
-        "findings": [_finding_json(f, advice) for f in diagnosis.findings],
-        "warnings": [_finding_json(w, advice) for w in diagnosis.warnings],
+        "findings": [finding_to_json(f, advice) for f in diagnosis.findings],
+        "warnings": [finding_to_json(w, advice) for w in diagnosis.warnings],
     }
 
 
