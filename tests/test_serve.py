@@ -490,6 +490,49 @@ async def test_the_page_diagnoses_finds_tasks_and_draws_history_in_a_browser(
         await redis.delete(backlog)
 
 
+async def test_the_page_greys_its_numbers_when_the_server_is_unreadable_in_a_browser(
+    chromium: str, redis: Redis, server: Server, queue: str
+) -> None:
+    from playwright.async_api import async_playwright, expect  # noqa: PLC0415
+
+    user, password = f"page-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    await redis.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys=["*"],
+        channels=["*"], commands=["+@all"],
+    )  # fmt: skip
+    host_port = server.admin_url.rsplit("@", 1)[-1].removeprefix("redis://")
+    started = start_serve(f"redis://{user}:{password}@{host_port}", "--queue", queue)
+    try:
+        await ready(started)
+        async with async_playwright() as driver:
+            browser = await driver.chromium.launch(
+                executable_path=chromium, args=CHROMIUM_FLAGS
+            )
+            try:
+                page = await browser.new_page(viewport={"width": 1100, "height": 760})
+                await page.goto(started.base + "/")
+                pending = page.locator('section.group [data-k="pending"]').first
+                await expect(pending).to_have_text("3")
+                await expect(page.locator("#streams")).not_to_have_class("stale")
+                # The page's user is shut out: its connections dropped, and
+                # every reconnection refused.
+                await redis.acl_setuser(user, enabled=False)
+                await redis.client_kill_filter(user=user)
+                unreadable = page.locator('#findings [data-kind="unreadable"]')
+                await expect(unreadable).to_have_attribute("data-severity", "critical")
+                await expect(unreadable).to_contain_text("the server cannot be read")
+                await expect(page.locator("#streams")).to_have_class("stale")
+                await expect(pending).to_have_text("3")  # the last reading, greyed
+                await redis.acl_setuser(user, enabled=True)
+                await expect(page.locator("#streams")).not_to_have_class("stale")
+                await expect(unreadable).to_have_count(0)
+            finally:
+                await browser.close()
+    finally:
+        stop(started)
+        await redis.acl_deluser(user)
+
+
 def post_json(serve: Serve, path: str, body: Any) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
     request = urllib.request.Request(
@@ -757,3 +800,38 @@ async def test_the_gauges_are_the_whole_groups_not_the_consumers_listed(
     assert gauge("last_read_age_seconds") * 1000 <= idle["worker-live"]
     assert group.last_read_idle_ms is not None
     assert group.last_read_idle_ms <= idle["worker-live"]
+
+
+async def test_dead_letters_added_lately_are_told_from_old_ones(
+    redis: Redis, queue: str
+) -> None:
+    # serve's own history tells the diagnosis how many dead letters came
+    # lately: none, a notice; some, a warning that counts them.
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    reader = create_app(redis, streams=[queue], sample_s=0.05).state.reader
+
+    async def dead_letters_finding() -> Any:
+        await asyncio.sleep(0.06)
+        reader.expire()
+        await reader.latest()
+        [finding] = [f for f in reader.findings if f.kind == "dead-letters"]
+        return finding
+
+    await dead_letters_finding()  # one sample: nothing to compare yet
+    quiet = await dead_letters_finding()
+    assert (quiet.severity.value, quiet.problem.split(" in ")[0]) == (
+        "notice",
+        "2 dead letters",
+    )
+    ids = [text(i) for i, _ in await redis.xrange(queue, count=3)]
+    await move_to_dead_letters(
+        ScriptRunner(), redis, StreamKeys(queue, GROUP), ids[2], "max_deliveries",
+        delete_acked=False, deliveries=3,
+    )  # fmt: skip
+    growing = await dead_letters_finding()
+    assert growing.severity.value == "warning"
+    assert growing.problem.startswith("3 dead letters, 1 added in the last ")
+    history = reader.history.to_json()
+    [samples] = [g["samples"] for g in history["groups"] if g["stream"] == queue]
+    assert [s[3] for s in samples] == [2, 2, 3]
