@@ -824,7 +824,7 @@ async def test_dead_letters_added_lately_are_told_from_old_ones(
         "notice",
         "2 dead letters",
     )
-    ids = [text(i) for i, _ in await redis.xrange(queue, count=3)]
+    ids = [text(i) for i, _ in await redis.xrange(queue, count=3) or []]
     await move_to_dead_letters(
         ScriptRunner(), redis, StreamKeys(queue, GROUP), ids[2], "max_deliveries",
         delete_acked=False, deliveries=3,
