@@ -474,6 +474,22 @@ async def test_the_page_diagnoses_finds_tasks_and_draws_history_in_a_browser(
                 full = (await cell.bounding_box() or {"height": 0})["height"]
                 assert full > 2 * cut_height, (cut_height, full)
                 await page.click('[data-k="close-search"]')
+                await page.fill("#q", "")
+
+                # Tasks kicked in two bursts: the history follows.
+                kicker = AtomicRedisStreamBroker(server.admin_url, queue_name=backlog)
+                mail = kicker.register_task(lambda *a, **k: None, "mail.send")
+                for burst in (2, 4):
+                    for n in range(burst):
+                        await mail.kiq(n)
+                    await asyncio.sleep(0.8)
+                await kicker.shutdown()
+                mail_group = page.locator(
+                    f'section.stream[data-stream="{backlog}"] section.group'
+                )
+                await expect(
+                    mail_group.locator('[data-k="spark-backlog"] figcaption')
+                ).to_contain_text("backlog 10")
 
                 # Dead-letter rows show task ids.
                 ids = group.locator('tr[data-letter] [data-k="task-id"]')
