@@ -447,9 +447,17 @@ async def test_a_stream_growing_without_bound(server: Server, redis: Redis) -> N
         await redis.xadd(KEYS.stream, {"data": f"t{number}"})
     reply: Any = await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
     await redis.xack(KEYS.stream, KEYS.group, *[i for i, _ in reply[0][1]])
-    await redis.xadd(KEYS.stream, {"data": "waiting"})
+    tight = Thresholds(max_retained=5)
+    if server.major < 7:
+        # No lag on 6.2: with entries waiting, how many is unknown, and so is
+        # what the groups still need; nothing is claimed.
+        await redis.xadd(KEYS.stream, {"data": "waiting"})
+        assert kinds((await diagnose(redis, thresholds=tight)).findings) == []
+        await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
+    else:
+        await redis.xadd(KEYS.stream, {"data": "waiting"})
     assert kinds((await diagnose(redis)).findings) == []
-    [grown] = (await diagnose(redis, thresholds=Thresholds(max_retained=5))).findings
+    [grown] = (await diagnose(redis, thresholds=tight)).findings
     assert (grown.kind, grown.subject) == ("unbounded-stream", KEYS.stream)
     assert grown.problem.startswith("7 entries of which 6 no group needs")
 
