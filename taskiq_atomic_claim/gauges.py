@@ -130,6 +130,9 @@ class GroupReading:
     pel_scanned: int
     consumers: list[ConsumerReading]  # every one of the group's
     dead_letters: int
+    # Entries delivered to the group since it was made (Redis >= 7; None
+    # before, or where the server cannot say): what serve's history counts.
+    entries_read: int | None = None
 
     @property
     def oldest_pending_idle_ms(self) -> int | None:
@@ -247,6 +250,7 @@ async def read_group(
         for raw in await call("XINFO CONSUMERS", stream, group)
     ]
     lag = info.get("lag")
+    read = info.get("entries-read")
     return GroupReading(
         exists=True,
         pending=pending,
@@ -255,6 +259,7 @@ async def read_group(
         pel_scanned=scanned,
         consumers=consumers,
         dead_letters=dead,
+        entries_read=None if read is None else int(read),
     )
 
 

@@ -15,7 +15,13 @@ from taskiq.utils import maybe_awaitable
 from taskiq_redis import RedisStreamBroker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
-from taskiq_atomic_claim.admin.doctor import Finding, Thresholds, apply_fixes, diagnose
+from taskiq_atomic_claim.admin.doctor import (
+    Finding,
+    Severity,
+    Thresholds,
+    apply_fixes,
+    diagnose,
+)
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from tests.conftest import Server, server_command
@@ -388,3 +394,89 @@ async def test_doctor_warns_about_settings_that_lose_tasks(
         assert "warning [no-persistence] server" in result.stdout
     quiet = cli("doctor", "--url", server.url)
     assert "eviction-policy" not in quiet.stdout
+
+
+async def test_a_dead_consumer_and_entries_past_the_idle_timeout(
+    server: Server, redis: Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await healthy_group(redis)
+    limits = Thresholds(idle_timeout_ms=200)
+    for number in range(3):
+        await redis.xadd(KEYS.stream, {"data": f"t{number}"})
+    await redis.xreadgroup(KEYS.group, "gone", {KEYS.stream: ">"}, count=2)
+    await redis.xreadgroup(KEYS.group, "alive", {KEYS.stream: ">"}, count=1)
+    fresh = await diagnose(redis, thresholds=limits)
+    assert kinds(fresh.findings) == [], "held for less than the idle timeout"
+    await asyncio.sleep(0.3)
+    # "alive" reads again (Redis < 7.2 counts only a read that delivers):
+    # its first entry is overdue, but it is not dead; "gone" is silent and
+    # holds overdue ones.
+    await redis.xadd(KEYS.stream, {"data": "t3"})
+    await redis.xreadgroup(KEYS.group, "alive", {KEYS.stream: ">"}, count=1)
+    diagnosis = await diagnose(redis, thresholds=limits)
+    assert [(f.kind, f.subject) for f in diagnosis.findings] == [
+        ("dead-consumer", f"{KEYS.stream} / {KEYS.group} / gone")
+    ]
+    [dead] = diagnosis.findings
+    assert (dead.kind, dead.consumer, dead.severity) == (
+        "dead-consumer",
+        "gone",
+        Severity.WARNING,
+    )
+    assert dead.problem.startswith("holds 2 entries, one pending for ")
+    assert dead.problem.endswith("its worker is gone")
+
+    # Only the live one's overdue entry left: overdue, nobody dead.
+    pending = await redis.xpending_range(KEYS.stream, KEYS.group, "-", "+", 10, "gone")
+    await redis.xack(KEYS.stream, KEYS.group, *[p["message_id"] for p in pending])
+    [overdue] = (await diagnose(redis, thresholds=limits)).findings
+    assert overdue.kind == "overdue-pending"
+    assert "past the 200 ms idle timeout" in overdue.problem
+    code, out, _ = await cli_in_process(
+        capsys, "doctor", "--url", server.url, "--idle-timeout-ms", "200", "--json"
+    )
+    assert code == 1
+    [spelled] = json.loads(out)["findings"]
+    assert (spelled["kind"], spelled["severity"]) == ("overdue-pending", "warning")
+    assert spelled["advice"].endswith("(--idle-timeout-ms to tune)")
+
+
+async def test_a_stream_growing_without_bound(server: Server, redis: Redis) -> None:
+    await healthy_group(redis)  # one entry, acked
+    for number in range(5):
+        await redis.xadd(KEYS.stream, {"data": f"t{number}"})
+    reply: Any = await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
+    await redis.xack(KEYS.stream, KEYS.group, *[i for i, _ in reply[0][1]])
+    tight = Thresholds(max_retained=5)
+    if server.major < 7:
+        # No lag on 6.2: with entries waiting, how many is unknown, and so is
+        # what the groups still need; nothing is claimed.
+        await redis.xadd(KEYS.stream, {"data": "waiting"})
+        assert kinds((await diagnose(redis, thresholds=tight)).findings) == []
+        await redis.xreadgroup(KEYS.group, "worker", {KEYS.stream: ">"})
+    else:
+        await redis.xadd(KEYS.stream, {"data": "waiting"})
+    assert kinds((await diagnose(redis)).findings) == []
+    [grown] = (await diagnose(redis, thresholds=tight)).findings
+    assert (grown.kind, grown.subject) == ("unbounded-stream", KEYS.stream)
+    assert grown.problem.startswith("7 entries of which 6 no group needs")
+
+
+async def test_a_server_refusing_writes_ranks_first(
+    server: Server, redis: Redis
+) -> None:
+    await healthy_group(redis)
+    await redis.xadd(KEYS.stream, {"data": "waiting"})
+    await asyncio.sleep(0.05)
+    limit = str((await redis.config_get("maxmemory"))["maxmemory"])
+    await redis.config_set("maxmemory", 1)  # used memory is past it at once
+    try:
+        findings = (
+            await diagnose(redis, thresholds=Thresholds(idle_timeout_ms=1))
+        ).findings
+    finally:
+        await redis.config_set("maxmemory", limit)
+    assert [f.kind for f in findings][:2] == ["refusing-writes", "unread-backlog"]
+    assert findings[0].severity is Severity.CRITICAL
+    assert findings[0].problem.startswith("out of memory: ")
+    assert kinds((await diagnose(redis)).findings) == []

@@ -205,7 +205,6 @@ async def test_the_page_shows_the_server_live_in_a_browser(
     redis: Redis,
     server: Server,
     queue: str,
-    tmp_path: Path,
 ) -> None:
     from playwright.async_api import async_playwright, expect  # noqa: PLC0415
 
@@ -252,9 +251,6 @@ async def test_the_page_shows_the_server_live_in_a_browser(
             blanked = await page.evaluate(BLANKED_ROWS, 1500)
             assert blanked == 0, f"dead letters blanked {blanked} times in 1.5 s"
             await expect(page.locator("#age")).not_to_have_text("-")
-            shot = Path(os.environ.get("SERVE_SCREENSHOT") or tmp_path / "serve.png")
-            png = await page.screenshot(path=str(shot), full_page=True)
-            assert png.startswith(b"\x89PNG")
 
             # A task kicked: the page shows it without a reload.
             kicker = AtomicRedisStreamBroker(server.admin_url, queue_name=queue)
@@ -353,6 +349,206 @@ async def test_the_page_asks_before_deleting_and_shows_refusals(
             await browser.close()
 
 
+def task_ids(entries: Any) -> list[str]:
+    """The taskiq task ids of stream entries, in order."""
+    return [json.loads(fields[b"data"])["task_id"] for _, fields in entries or []]
+
+
+async def test_the_page_diagnoses_finds_tasks_and_draws_history_in_a_browser(
+    chromium: str, redis: Redis, server: Server, queue: str, tmp_path: Path
+) -> None:
+    """Three problem states at once (a backlog no consumer reads, a dead
+    consumer holding entries past the idle timeout, dead letters): each
+    appears at the top within one refresh; a task is found where it is."""
+    from playwright.async_api import async_playwright, expect  # noqa: PLC0415
+
+    keys = StreamKeys(queue, GROUP)
+    backlog = f"mail-{uuid.uuid4().hex[:6]}"
+    await redis.xgroup_create(backlog, GROUP, id="0", mkstream=True)
+    kicker = AtomicRedisStreamBroker(server.admin_url, queue_name=backlog)
+    mail = kicker.register_task(lambda *a, **k: None, "mail.send")
+    for n in range(4):
+        await mail.kiq(n, to="ops@example.com " + "x" * 200)  # a long argument
+    await kicker.shutdown()
+    async with redis.pipeline(transaction=False) as pipe:
+        for n in range(15):
+            pipe.xgroup_createconsumer(queue, GROUP, f"spare-{n:02d}")
+        await pipe.execute()
+    waiting_id = task_ids(await redis.xrange(backlog, count=1))[0]
+    pending = await redis.xpending_range(queue, GROUP, "-", "+", 1)
+    pending_entry = pending[0]["message_id"]
+    pending_id = task_ids(await redis.xrange(queue, pending_entry, pending_entry))[0]
+    dead_id = task_ids(await redis.xrange(keys.dead_letters, count=1))[0]
+
+    started = start_serve(
+        server.admin_url, "--queue", queue, "--queue", backlog,
+        "--idle-timeout-ms", "300", "--sample", "0.3",
+    )  # fmt: skip
+    try:
+        await ready(started)
+        async with async_playwright() as driver:
+            browser = await driver.chromium.launch(
+                executable_path=chromium, args=CHROMIUM_FLAGS
+            )
+            try:
+                page = await browser.new_page(viewport={"width": 1100, "height": 900})
+                await page.goto(started.base + "/")
+                findings = page.locator("#findings .finding")
+                first = findings.first
+                await expect(first).to_have_attribute("data-kind", "unread-backlog")
+                await expect(first).to_have_attribute("data-severity", "critical")
+                await expect(first).to_contain_text(f"{backlog} / {GROUP}")
+                await expect(first).to_contain_text("what to do: start workers")
+                dead = page.locator('#findings [data-kind="dead-consumer"]')
+                await expect(dead).to_contain_text(f"{queue} / {GROUP} / worker-dead")
+                letters = page.locator('#findings [data-kind="dead-letters"]')
+                await expect(letters).to_contain_text("2 dead letters")
+                # At the top, in colour: above the streams, in the first screen.
+                # One evaluate: the page redraws every 0.3 s.
+                top, streams_top, colour = await page.evaluate(
+                    """() => {
+                      const first = document.querySelector("#findings .finding");
+                      return [first.getBoundingClientRect().y,
+                              document.getElementById("streams").getBoundingClientRect().y,
+                              getComputedStyle(first).backgroundColor];
+                    }"""
+                )
+                assert top < 200 and top < streams_top, (top, streams_top)
+                assert colour == "rgb(253, 231, 231)", colour
+
+                group = page.locator(
+                    f'section.stream[data-stream="{queue}"] section.group'
+                )
+                gone = group.locator('tr[data-consumer="worker-dead"]')
+                await expect(gone).to_have_attribute("data-liveness", "dead")
+                # 17 consumers: the 10 holding most listed, the rest folded.
+                await expect(group.locator("tr[data-consumer]:visible")).to_have_count(
+                    10
+                )
+                more = group.locator('[data-k="more-consumers"] summary')
+                await expect(more).to_have_text("and 7 more")
+
+                # History: each sparkline drawn from serve's own samples.
+                spark = group.locator('[data-k="spark-backlog"] polyline')
+                await expect(spark).to_have_count(1)
+                points = await spark.get_attribute("points")
+                assert points is not None and len(points.split()) >= 2
+                await expect(
+                    group.locator('[data-k="spark-kicked"] svg')
+                ).to_have_count(1)
+
+                # Find a task in each place, by its id; and by its name.
+                for task_id, place, where in (
+                    (waiting_id, "waiting", "waiting"),
+                    (pending_id, "pending", "held by worker-dead for"),
+                    (dead_id, "dead", "dead-lettered"),
+                ):
+                    await page.fill("#q", task_id)
+                    await page.click("#search button")
+                    row = page.locator(f'#tasks tr[data-place="{place}"]')
+                    await expect(row).to_have_count(1)
+                    # Its own view (a dead letter is also "acked" in the
+                    # stream: dead-lettering acks it).
+                    await row.locator("td").first.click()
+                    view = page.locator('[data-k="task-view"]')
+                    await expect(view.locator('[data-k="task id"]')).to_have_text(
+                        task_id
+                    )
+                    await expect(view.locator('[data-k="where"]')).to_contain_text(
+                        where
+                    )
+                view = page.locator('[data-k="task-view"]')
+                await expect(
+                    view.locator('[data-k="dead-letter reason"]')
+                ).to_contain_text("max_deliveries")
+                await page.fill("#q", "mail.send")
+                await page.click("#search button")
+                await expect(page.locator("#tasks tr[data-task]")).to_have_count(4)
+                await expect(page.locator("#searched")).to_contain_text(
+                    "searched the newest 10000 entries of each stream"
+                )
+                # A long argument is cut to one line, whole on a click.
+                cell = page.locator("#tasks tr[data-task] .cut").nth(1)
+                cut_height = (await cell.bounding_box() or {"height": 0})["height"]
+                await cell.click()
+                full = (await cell.bounding_box() or {"height": 0})["height"]
+                assert full > 2 * cut_height, (cut_height, full)
+                await page.click('[data-k="close-search"]')
+                await page.fill("#q", "")
+
+                # Tasks kicked in two bursts: the history follows.
+                kicker = AtomicRedisStreamBroker(server.admin_url, queue_name=backlog)
+                mail = kicker.register_task(lambda *a, **k: None, "mail.send")
+                for burst in (2, 4):
+                    for n in range(burst):
+                        await mail.kiq(n)
+                    await asyncio.sleep(0.8)
+                await kicker.shutdown()
+                mail_group = page.locator(
+                    f'section.stream[data-stream="{backlog}"] section.group'
+                )
+                await expect(
+                    mail_group.locator('[data-k="spark-backlog"] figcaption')
+                ).to_contain_text("backlog 10")
+
+                # Dead-letter rows show task ids.
+                ids = group.locator('tr[data-letter] [data-k="task-id"]')
+                await expect(ids).to_have_count(2)
+                shot = Path(
+                    os.environ.get("SERVE_SCREENSHOT") or tmp_path / "serve.png"
+                )
+                png = await page.screenshot(path=str(shot), full_page=True)
+                assert png.startswith(b"\x89PNG")
+            finally:
+                await browser.close()
+    finally:
+        stop(started)
+        await redis.delete(backlog)
+
+
+async def test_the_page_greys_its_numbers_when_the_server_is_unreadable_in_a_browser(
+    chromium: str, redis: Redis, server: Server, queue: str
+) -> None:
+    from playwright.async_api import async_playwright, expect  # noqa: PLC0415
+
+    user, password = f"page-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    await redis.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys=["*"],
+        channels=["*"], commands=["+@all"],
+    )  # fmt: skip
+    host_port = server.admin_url.rsplit("@", 1)[-1].removeprefix("redis://")
+    started = start_serve(f"redis://{user}:{password}@{host_port}", "--queue", queue)
+    try:
+        await ready(started)
+        async with async_playwright() as driver:
+            browser = await driver.chromium.launch(
+                executable_path=chromium, args=CHROMIUM_FLAGS
+            )
+            try:
+                page = await browser.new_page(viewport={"width": 1100, "height": 760})
+                await page.goto(started.base + "/")
+                pending = page.locator('section.group [data-k="pending"]').first
+                await expect(pending).to_have_text("3")
+                await expect(page.locator("#streams")).not_to_have_class("stale")
+                # The page's user is shut out: its connections dropped, and
+                # every reconnection refused.
+                await redis.acl_setuser(user, enabled=False)
+                await redis.client_kill_filter(user=user)
+                unreadable = page.locator('#findings [data-kind="unreadable"]')
+                await expect(unreadable).to_have_attribute("data-severity", "critical")
+                await expect(unreadable).to_contain_text("the server cannot be read")
+                await expect(page.locator("#streams")).to_have_class("stale")
+                await expect(pending).to_have_text("3")  # the last reading, greyed
+                await redis.acl_setuser(user, enabled=True)
+                await expect(page.locator("#streams")).not_to_have_class("stale")
+                await expect(unreadable).to_have_count(0)
+            finally:
+                await browser.close()
+    finally:
+        stop(started)
+        await redis.acl_deluser(user)
+
+
 def post_json(serve: Serve, path: str, body: Any) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
     request = urllib.request.Request(
@@ -426,7 +622,14 @@ async def test_json_gauges_and_changes_are_guarded(
     )
     assert code == 0, err
     inspected = json.loads(out)
-    assert shape(state) == {**shape(inspected), "page": shape(state["page"])}
+    # serve adds its page, its diagnosis and each consumer's liveness.
+    for consumer in state["streams"][0]["groups"][0]["consumers"]:
+        assert consumer.pop("liveness") in ("live", "dead", "quiet")
+    assert shape(state) == {
+        **shape(inspected),
+        "page": shape(state["page"]),
+        "diagnosis": shape(state["diagnosis"]),
+    }
     assert state["streams"][0]["length"] == inspected["streams"][0]["length"]
     # Bound to 127.0.0.1 only: another loopback address gets no answer.
     port = serve.base.rpartition(":")[2]
@@ -613,3 +816,38 @@ async def test_the_gauges_are_the_whole_groups_not_the_consumers_listed(
     assert gauge("last_read_age_seconds") * 1000 <= idle["worker-live"]
     assert group.last_read_idle_ms is not None
     assert group.last_read_idle_ms <= idle["worker-live"]
+
+
+async def test_dead_letters_added_lately_are_told_from_old_ones(
+    redis: Redis, queue: str
+) -> None:
+    # serve's own history tells the diagnosis how many dead letters came
+    # lately: none, a notice; some, a warning that counts them.
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    reader = create_app(redis, streams=[queue], sample_s=0.05).state.reader
+
+    async def dead_letters_finding() -> Any:
+        await asyncio.sleep(0.06)
+        reader.expire()
+        await reader.latest()
+        [finding] = [f for f in reader.findings if f.kind == "dead-letters"]
+        return finding
+
+    await dead_letters_finding()  # one sample: nothing to compare yet
+    quiet = await dead_letters_finding()
+    assert (quiet.severity.value, quiet.problem.split(" in ")[0]) == (
+        "notice",
+        "2 dead letters",
+    )
+    ids = [text(i) for i, _ in await redis.xrange(queue, count=3) or []]
+    await move_to_dead_letters(
+        ScriptRunner(), redis, StreamKeys(queue, GROUP), ids[2], "max_deliveries",
+        delete_acked=False, deliveries=3,
+    )  # fmt: skip
+    growing = await dead_letters_finding()
+    assert growing.severity.value == "warning"
+    assert growing.problem.startswith("3 dead letters, 1 added in the last ")
+    history = reader.history.to_json()
+    [samples] = [g["samples"] for g in history["groups"] if g["stream"] == queue]
+    assert [s[3] for s in samples] == [2, 2, 3]

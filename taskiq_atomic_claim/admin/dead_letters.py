@@ -78,7 +78,7 @@ def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _parse(entry_id: Any, fields: Mapping[Any, Any] | None) -> DeadLetter:
+def parse(entry_id: Any, fields: Mapping[Any, Any] | None) -> DeadLetter:
     # Admin clients read bytes (no decode_responses); an entry has fields.
     fields = fields or {}
     return DeadLetter(
@@ -96,7 +96,7 @@ async def list_dead_letters(
     """The first ``count`` dead letters, or the ``count`` after id ``after``."""
     start = "-" if after is None else "(" + after
     entries = await client.xrange(keys.dead_letters, min=start, count=count)
-    return [_parse(entry_id, fields) for entry_id, fields in entries or []]
+    return [parse(entry_id, fields) for entry_id, fields in entries or []]
 
 
 async def find_dead_letter_queues(
@@ -154,7 +154,7 @@ async def chosen_dead_letters(
         for wanted in dict.fromkeys(ids):
             exact = await client.xrange(keys.dead_letters, wanted, wanted)
             for entry_id, fields in exact or []:
-                yield _parse(entry_id, fields)
+                yield parse(entry_id, fields)
         return
     start = "-"
     for _ in range(MAX_DEAD_LETTERS_SCANNED // REQUEUE_BATCH):
@@ -162,7 +162,7 @@ async def chosen_dead_letters(
             await client.xrange(keys.dead_letters, min=start, count=REQUEUE_BATCH) or []
         )
         for entry_id, fields in entries:
-            letter = _parse(entry_id, fields)
+            letter = parse(entry_id, fields)
             if task_name is None:
                 yield letter
                 continue
@@ -245,7 +245,7 @@ async def dead_letters_page(
     from the newest): one XREVRANGE, however long the stream."""
     end = "+" if before is None else "(" + before  # exclusive
     entries = await client.xrevrange(keys.dead_letters, max=end, count=count)
-    return [_parse(entry_id, fields) for entry_id, fields in entries or []]
+    return [parse(entry_id, fields) for entry_id, fields in entries or []]
 
 
 async def delete_dead_letters(client: Redis, keys: StreamKeys, ids: list[str]) -> int:

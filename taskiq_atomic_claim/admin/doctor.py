@@ -47,11 +47,13 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim.admin.inspection import (
     MAX_SCAN_CALLS,
     SCAN_COUNT,
+    Inspection,
     duration,
     inspect_server,
     plural,
 )
 from taskiq_atomic_claim.durability import durability_risks
+from taskiq_atomic_claim.gauges import ConsumerReading
 from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
@@ -66,6 +68,9 @@ DEFAULT_STALE_PENDING_MS = 3600 * 1000
 # them without a read, with entries waiting, make a backlog nobody reads.
 DEFAULT_IDLE_TIMEOUT_MS = 600_000
 UNREAD_TIMEOUTS = 2
+# Entries a stream keeps after every group is done with them (acked, not
+# deleted): past this it grows without bound.
+DEFAULT_MAX_RETAINED = 100_000
 LEGACY_LOCK_PATTERN = "autoclaim:*"
 MAX_LEGACY_LOCKS = 10_000
 
@@ -77,6 +82,37 @@ class Thresholds:
     stale_pending_ms: int = DEFAULT_STALE_PENDING_MS
     lock_expiry_ms: int = DEFAULT_LOCK_EXPIRY_MS
     idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS
+    max_retained: int = DEFAULT_MAX_RETAINED
+
+
+class Severity(Enum):
+    """How urgent a finding is; findings are ranked by it, most urgent first."""
+
+    CRITICAL = "critical"  # tasks are not being run now
+    WARNING = "warning"  # tasks are late, lost or piling up
+    NOTICE = "notice"  # tidy up when convenient
+
+
+class Liveness(Enum):
+    LIVE = "live"  # talked to the server within the idle timeout
+    DEAD = "dead"  # holds entries idle past the idle timeout, and is silent
+    QUIET = "quiet"  # silent past the idle timeout, holding nothing overdue
+
+
+def consumer_liveness(consumer: ConsumerReading, idle_timeout_ms: int) -> Liveness:
+    """Whether a consumer's worker is alive, from what the server shows now.
+
+    Idle time alone cannot tell: on Redis < 7.2 a live worker blocked on an
+    empty queue can look idle for minutes. A worker that holds an entry idle
+    past the idle timeout is gone, though: a live one's heartbeat keeps its
+    entries fresh. The one place that decides; the page and doctor ask it.
+    """
+    if consumer.idle_ms <= idle_timeout_ms:
+        return Liveness.LIVE
+    overdue = consumer.oldest_pending_idle_ms or 0
+    if consumer.pending and overdue > idle_timeout_ms:
+        return Liveness.DEAD
+    return Liveness.QUIET
 
 
 class Action(Enum):
@@ -96,6 +132,7 @@ class Finding:
     # What to do, in words: what the fix does, or what a person should do.
     advice: str = ""
     action: Action | None = None
+    severity: Severity = Severity.WARNING
     fixable: bool = False
     # What the fix acts on.
     key: str | None = None
@@ -148,26 +185,7 @@ async def diagnose(
 ) -> Diagnosis:
     limits = thresholds or Thresholds()
     inspection = await inspect_server(client, streams, group)
-    findings: list[Finding] = []
-
-    library = inspection.library
-    if library.state != LibraryState.CURRENT.value:
-        others = (
-            f" (loaded: {', '.join(library.other_versions)})"
-            if library.other_versions
-            else ""
-        )
-        findings.append(
-            Finding(
-                "library",
-                library.name,
-                f"this release's library is {library.state}{others}",
-                "workers also load it on demand if their ACL allows FUNCTION"
-                " LOAD / SCRIPT LOAD",
-                Action.LOAD,
-                fixable=True,
-            )
-        )
+    findings, groups_checked = await inspection_findings(client, inspection, limits)
 
     locks, cut = await find_legacy_locks(client)
     for key in locks:
@@ -193,7 +211,67 @@ async def diagnose(
                 action=Action.RERUN_AFTER_FIX,
             )
         )
+    warnings = [
+        Finding(risk.kind, "server", risk.problem, risk.advice)
+        for risk in await durability_risks(client)
+    ]
+    return Diagnosis(
+        inspection.server,
+        len(inspection.streams),
+        groups_checked,
+        rank(findings),
+        warnings,
+    )
 
+
+def rank(findings: list[Finding]) -> list[Finding]:
+    """Most urgent first: a server refusing writes, then a backlog nobody
+    reads (a stable sort keeps the order within each rank)."""
+    order = list(Severity)
+    first = ("refusing-writes", "unread-backlog")
+
+    def urgency(finding: Finding) -> tuple[int, int]:
+        kind = finding.kind
+        return order.index(finding.severity), (
+            first.index(kind) if kind in first else len(first)
+        )
+
+    return sorted(findings, key=urgency)
+
+
+async def inspection_findings(
+    client: Redis,
+    inspection: Inspection,
+    limits: Thresholds,
+    dead_letters_added: dict[tuple[str, str], tuple[int, int]] | None = None,
+) -> tuple[list[Finding], int]:
+    """What is wrong in one reading, ranked, and how many groups were
+    checked: what ``doctor`` and ``serve``'s page both show.
+    ``dead_letters_added``: per (stream, group), dead letters added over how
+    many ms (serve's history); without it, dead letters are not told apart
+    from growing ones."""
+    findings: list[Finding] = []
+    refusal = await refused_writes(client)
+    if refusal is not None:
+        findings.append(refusal)
+    library = inspection.library
+    if library.state != LibraryState.CURRENT.value:
+        others = (
+            f" (loaded: {', '.join(library.other_versions)})"
+            if library.other_versions
+            else ""
+        )
+        findings.append(
+            Finding(
+                "library",
+                library.name,
+                f"this release's library is {library.state}{others}",
+                "workers also load it on demand if their ACL allows FUNCTION"
+                " LOAD / SCRIPT LOAD",
+                Action.LOAD,
+                fixable=True,
+            )
+        )
     groups_checked = 0
     for stream in inspection.streams:
         if stream.type not in ("stream", "none"):
@@ -227,6 +305,7 @@ async def diagnose(
                     " stream is not a task queue",
                 )
             )
+        needed: list[int | None] = []  # per group: entries it still needs
         for view in stream.groups:
             subject = f"{stream.name} / {view.name}"
             if not view.exists:
@@ -244,21 +323,52 @@ async def diagnose(
                 continue
             groups_checked += 1
             waiting = await _waiting(client, stream.name, view)
+            needed.append(None if waiting is None else waiting + view.pending)
             findings += _backlog_findings(stream.name, view, waiting, limits)
-            findings += _group_findings(stream.name, view, limits)
-    # Ranked: an outage first (the sort keeps the order within each rank).
-    findings.sort(key=lambda finding: finding.kind != "unread-backlog")
-    warnings = [
-        Finding(risk.kind, "server", risk.problem, risk.advice)
-        for risk in await durability_risks(client)
-    ]
-    return Diagnosis(
-        inspection.server,
-        len(inspection.streams),
-        groups_checked,
-        findings,
-        warnings,
-    )
+            added = (dead_letters_added or {}).get((stream.name, view.name))
+            findings += _group_findings(stream.name, view, limits, added)
+        if needed and None not in needed:
+            findings += _retained_findings(stream, max(n or 0 for n in needed), limits)
+    return rank(findings), groups_checked
+
+
+async def refused_writes(client: Redis) -> Finding | None:
+    """Why the server refuses writes (no task can be kicked or acked), or
+    None: out of memory under noeviction, a failed background save with
+    stop-writes-on-bgsave-error, or a read-only replica."""
+    memory = await client.info("memory")
+    used, limit = int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0))
+    policy = text(memory.get("maxmemory_policy", "noeviction"))
+    if limit and used >= limit and policy == "noeviction":
+        return Finding(
+            "refusing-writes",
+            "server",
+            f"out of memory: {used} bytes used of maxmemory {limit} under"
+            " noeviction: kicks, acks and claims fail with OOM",
+            "raise maxmemory, or free memory: delete dead letters, trim"
+            " streams that grow without bound",
+            severity=Severity.CRITICAL,
+        )
+    persistence = await client.info("persistence")
+    if text(persistence.get("rdb_last_bgsave_status", "ok")) == "err":
+        return Finding(
+            "refusing-writes",
+            "server",
+            "the last background save failed: with stop-writes-on-bgsave-error"
+            " (the default) every write fails with MISCONF",
+            "fix the disk (space, permissions) and BGSAVE, see the server's log",
+            severity=Severity.CRITICAL,
+        )
+    replication = await client.info("replication")
+    if text(replication.get("role", "master")) != "master":
+        return Finding(
+            "refusing-writes",
+            "server",
+            "a read-only replica: workers cannot claim or ack here",
+            "point the brokers and this command at the primary",
+            severity=Severity.CRITICAL,
+        )
+    return None
 
 
 def _entry_id(entry_id: str) -> tuple[int, int]:
@@ -303,12 +413,34 @@ def _backlog_findings(
         f" consumer_group_name={view.name!r}, or find why they stopped"
         " (crashed, scaled to 0, blocked); delete dead consumers with"
         " --fix once they hold nothing",
+        severity=Severity.CRITICAL,
         stream=stream,
         group=view.name,
     )
 
 
-def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Finding]:
+def _retained_findings(
+    stream: Any, needed: int, limits: Thresholds
+) -> Iterable[Finding]:
+    retained = stream.length - needed
+    if retained > limits.max_retained:
+        yield Finding(
+            "unbounded-stream",
+            stream.name,
+            f"{plural(stream.length, 'entry')} of which {retained} no group needs"
+            " (acked, never deleted): the stream grows without bound",
+            "give the brokers maxlen= (approximate trimming) or delete_acked=True"
+            " (Redis >= 8.2), or XTRIM it; memory runs out otherwise",
+            stream=stream.name,
+        )
+
+
+def _group_findings(
+    stream: str,
+    view: Any,
+    limits: Thresholds,
+    dead_letters_added: tuple[int, int] | None = None,
+) -> Iterable[Finding]:
     subject = f"{stream} / {view.name}"
     if view.pending > limits.max_pending:
         yield Finding(
@@ -317,6 +449,25 @@ def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Find
             f"{plural(view.pending, 'pending entry')} (threshold {limits.max_pending})",
             "workers fall behind or keep dying: check worker logs and"
             " dead letters, add workers",
+        )
+    dead = [
+        c
+        for c in view.consumers
+        if consumer_liveness(c, limits.idle_timeout_ms) is Liveness.DEAD
+    ]
+    for consumer in dead:
+        yield Finding(
+            "dead-consumer",
+            f"{subject} / {consumer.name}",
+            f"holds {plural(consumer.pending, 'entry')}, one pending for"
+            f" {duration(consumer.oldest_pending_idle_ms)}, and has not talked to"
+            f" the server for {duration(consumer.idle_ms)}: its worker is gone",
+            "live workers reclaim its entries once idle past idle_timeout; if"
+            " they do not, start workers on this group. `doctor --fix` deletes"
+            " the consumer once it holds nothing",
+            stream=stream,
+            group=view.name,
+            consumer=consumer.name,
         )
     oldest = view.oldest_pending_idle_ms
     if oldest is not None and oldest > limits.stale_pending_ms:
@@ -332,12 +483,33 @@ def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Find
             group=view.name,
             consumer=holder.name,
         )
+    elif oldest is not None and oldest > limits.idle_timeout_ms and not dead:
+        yield Finding(
+            "overdue-pending",
+            subject,
+            f"an entry has been pending for {duration(oldest)}, past the"
+            f" {duration(limits.idle_timeout_ms)} idle timeout, and not reclaimed",
+            "live workers reclaim it at their next claim cycle; if it stays,"
+            " check that workers run on this group and their logs",
+            stream=stream,
+            group=view.name,
+        )
     if view.dead_letters:
+        growing = ""
+        severity = Severity.WARNING
+        if dead_letters_added is not None:
+            added, over_ms = dead_letters_added
+            if added > 0:
+                growing = f", {added} added in the last {duration(over_ms)}"
+            else:
+                severity = Severity.NOTICE
         yield Finding(
             "dead-letters",
             subject,
-            f"{plural(view.dead_letters, 'dead letter')} in {view.dead_letters_key}",
+            f"{plural(view.dead_letters, 'dead letter')}{growing}"
+            f" in {view.dead_letters_key}",
             action=Action.REVIEW_DEAD_LETTERS,
+            severity=severity,
             stream=stream,
             group=view.name,
         )
@@ -349,6 +521,7 @@ def _group_findings(stream: str, view: Any, limits: Thresholds) -> Iterable[Find
                 f"nothing pending and idle for {duration(consumer.idle_ms)}",
                 "deletes it",
                 Action.FIX,
+                severity=Severity.NOTICE,
                 fixable=True,
                 stream=stream,
                 group=view.name,

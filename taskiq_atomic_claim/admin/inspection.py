@@ -74,6 +74,7 @@ class GroupView:
     dead_letters_key: str
     dead_letters: int
     gauges: GroupGauges  # the same reading, as the gauges export it
+    entries_read: int | None = None  # delivered since the group was made
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ async def inspect_stream(
                 dead_letters_key=keys.dead_letters,
                 dead_letters=reading.dead_letters,
                 gauges=group_gauges(found, reading),
+                entries_read=reading.entries_read,
             )
         )
     return StreamView(stream, found.type, found.length, groups)

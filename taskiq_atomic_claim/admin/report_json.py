@@ -16,7 +16,9 @@ meaning. ``null`` means unknown or absent.
       "streams_checked": 2,
       "groups_checked": 1,
       "findings": [{
-        "kind": "stale-pending", # the kinds of admin/doctor.py, outage first
+        "kind": "stale-pending", # the kinds of admin/doctor.py
+        "severity": "critical" | "warning" | "notice",  # ranked by it, most
+                                 # urgent first; an outage first of all
         "subject": "jobs / workers",
         "problem": "an entry held by consumer 'w-1' has been pending for 2 h ...",
         "advice": "what to do, naming the command to run",
@@ -68,9 +70,12 @@ from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.keys import StreamKeys
 
 
-def _finding_json(finding: Finding, advice: Callable[[Finding], str]) -> dict[str, Any]:
+def finding_to_json(
+    finding: Finding, advice: Callable[[Finding], str]
+) -> dict[str, Any]:
     return {
         "kind": finding.kind,
+        "severity": finding.severity.value,
         "subject": finding.subject,
         "problem": finding.problem,
         "advice": advice(finding),
@@ -95,8 +100,8 @@ def diagnosis_to_json(
         "healthy": diagnosis.healthy,
         "streams_checked": diagnosis.streams_checked,
         "groups_checked": diagnosis.groups_checked,
-        "findings": [_finding_json(f, advice) for f in diagnosis.findings],
-        "warnings": [_finding_json(w, advice) for w in diagnosis.warnings],
+        "findings": [finding_to_json(f, advice) for f in diagnosis.findings],
+        "warnings": [finding_to_json(w, advice) for w in diagnosis.warnings],
     }
 
 

@@ -15,6 +15,7 @@ from taskiq_atomic_claim.admin.doctor import (
     DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_LOCK_EXPIRY_MS,
     DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_RETAINED,
     DEFAULT_STALE_PENDING_MS,
     UNREAD_TIMEOUTS,
     Action,
@@ -44,6 +45,9 @@ _TUNING = {
     "pel-size": "--max-pending",
     "stale-pending": "--stale-pending-ms",
     "unread-backlog": "--idle-timeout-ms",
+    "dead-consumer": "--idle-timeout-ms",
+    "overdue-pending": "--idle-timeout-ms",
+    "unbounded-stream": "--max-retained",
 }
 
 
@@ -51,11 +55,12 @@ def add_parser(commands: Any) -> None:
     doctor = commands.add_parser(
         "doctor",
         help="find what needs attention; --fix repairs what is safe to",
-        description="Check for a backlog no live worker reads (first), no-expiry"
-        " taskiq-redis <= 1.1.x locks, idle"
-        " empty consumers, a missing or outdated library, large or stale PELs,"
-        " dead letters and streams nobody consumes. Exit 0 healthy, 1 needs"
-        " attention, 2 on errors.",
+        description="Check, most urgent first: a server refusing writes, a"
+        " backlog no live worker reads, dead consumers holding entries, entries"
+        " pending past the idle timeout, large or stale PELs, dead letters,"
+        " streams growing without bound, no-expiry taskiq-redis <= 1.1.x locks,"
+        " idle empty consumers, a missing or outdated library and streams"
+        " nobody consumes. Exit 0 healthy, 1 needs attention, 2 on errors.",
     )
     add_scope_options(doctor)
     doctor.add_argument(
@@ -97,6 +102,13 @@ def add_parser(commands: Any) -> None:
         f" (default: {DEFAULT_IDLE_TIMEOUT_MS})",
     )
     doctor.add_argument(
+        "--max-retained",
+        type=count,
+        default=DEFAULT_MAX_RETAINED,
+        help="entries a stream may keep that no group needs before it counts as"
+        f" growing without bound (default: {DEFAULT_MAX_RETAINED})",
+    )
+    doctor.add_argument(
         "--json", action="store_true", help="stable JSON (see admin/report_json.py)"
     )
     doctor.set_defaults(run=run)
@@ -113,6 +125,7 @@ async def _doctor(args: argparse.Namespace) -> int:
         stale_pending_ms=args.stale_pending_ms,
         lock_expiry_ms=args.lock_expiry_ms,
         idle_timeout_ms=args.idle_timeout_ms,
+        max_retained=args.max_retained,
     )
     targets = await resolve_targets(args, args.queues)
 

@@ -8,7 +8,8 @@ import asyncio
 import os
 from typing import Any
 
-from taskiq_atomic_claim.cli.arguments import CommandError
+from taskiq_atomic_claim.admin.doctor import DEFAULT_IDLE_TIMEOUT_MS
+from taskiq_atomic_claim.cli.arguments import CommandError, milliseconds
 from taskiq_atomic_claim.cli.servers import (
     add_scope_options,
     connected,
@@ -49,6 +50,21 @@ def add_parser(commands: Any) -> None:
         help="list at most N consumers per group: those holding most (default 200)",
     )
     serve.add_argument(
+        "--idle-timeout-ms",
+        type=milliseconds,
+        default=DEFAULT_IDLE_TIMEOUT_MS,
+        help="the workers' idle_timeout: what the diagnosis measures overdue"
+        f" entries and dead consumers against (default: {DEFAULT_IDLE_TIMEOUT_MS})",
+    )
+    serve.add_argument(
+        "--sample",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="sample the server this often for the page's history of the last"
+        " hour (default 10)",
+    )
+    serve.add_argument(
         "--allow-changes",
         action="store_true",
         help=f"allow requeue and delete of dead letters, by POSTs carrying the"
@@ -75,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
                 f"--allow-changes needs ${TOKEN_VARIABLE} set to a token of at"
                 " least 16 characters"
             )
+    if not args.sample > 0 or not args.refresh > 0:
+        raise CommandError("--sample and --refresh must be > 0 seconds")
     if args.cluster:
         raise CommandError(
             "serve shows one server: run one per primary, each with --url"
@@ -91,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
                 consumer_limit=args.consumers,
                 token=token,
                 node=target.where,
+                idle_timeout_ms=args.idle_timeout_ms,
+                sample_s=args.sample,
             )
+            app.state.reader.sample()  # history from the start, not first view
             config = uvicorn.Config(
                 app, host=args.host, port=args.port, log_level="warning"
             )

@@ -10,7 +10,17 @@ Routes, relative to where it is mounted:
 - ``GET /``: the page; it polls ``api/state`` and redraws in place.
 - ``GET /api/state``: ``inspect --json``'s format (``inspection_json.py``)
   plus a ``page`` object: ``{"refresh_s": 2.0, "read_at_ms": ...,
-  "changes": false}``.
+  "changes": false}``, a ``diagnosis`` object: ``{"idle_timeout_ms": ...,
+  "findings": [...]}`` (``doctor --json``'s findings, ranked, from the same
+  code: ``admin/doctor.inspection_findings``) and each consumer's
+  ``"liveness"``: ``live``, ``dead`` or ``quiet``
+  (``admin/doctor.consumer_liveness``). When the server cannot be read: a
+  503 with ``error`` and an ``unreadable`` finding.
+- ``GET /api/history``: serve's own samples (``history.py``), one per
+  ``sample_s``, of the last hour.
+- ``GET /api/tasks?q=ID_OR_NAME``: the tasks of that id or name, waiting,
+  pending, acked or dead-lettered, in the newest entries of each stream
+  (``admin/tasks.py``; the answer says how many it read).
 - ``GET /api/dead-letters?stream=S&group=G&before=ID&count=N``: one page
   of dead letters, newest first (``dead_letter_page_to_json``).
 - ``POST /api/dead-letters/requeue`` and ``POST /api/dead-letters/delete``
@@ -22,6 +32,9 @@ Routes, relative to where it is mounted:
 - ``GET /metrics``: the gauges of ``taskiq_atomic_claim.gauges``, from the
   same reading as the page.
 
+Once asked anything, it also reads on its own every ``sample_s`` (or
+``refresh_s``, whichever is longer) so that the history has no gaps.
+
 Reads are bounded per refresh and shared: the server is read at most once
 per ``refresh_s`` whoever asks (page, JSON, scrape), and reading takes at
 most a fifth of the time (``gauges.next_gap``); discovery (a SCAN) runs
@@ -32,6 +45,7 @@ consumers. No lifespan is needed, so it works mounted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -58,6 +72,13 @@ from taskiq_atomic_claim.admin.dead_letters import (
     requeue_dead_letters,
     unknown_pair,
 )
+from taskiq_atomic_claim.admin.doctor import (
+    Finding,
+    Severity,
+    Thresholds,
+    consumer_liveness,
+    inspection_findings,
+)
 from taskiq_atomic_claim.admin.inspection import (
     Inspection,
     discover_streams,
@@ -68,6 +89,8 @@ from taskiq_atomic_claim.admin.inspection_json import (
     dead_letter_page_to_json,
     inspection_to_json,
 )
+from taskiq_atomic_claim.admin.report_json import finding_to_json
+from taskiq_atomic_claim.admin.tasks import find_tasks, task_search_to_json
 from taskiq_atomic_claim.gauges import (
     declare,
     forget,
@@ -77,8 +100,12 @@ from taskiq_atomic_claim.gauges import (
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import require_name
+from taskiq_atomic_claim.web.history import History
 
 MAX_PAGE = 200
+MAX_QUERY_CHARS = 200
+# How the page spells the connection options in a command it advises.
+REACH = "--url URL"
 MIN_TOKEN_CHARS = 16
 
 
@@ -95,8 +122,14 @@ class Reader:
         discover_s: float,
         consumer_limit: int,
         node: str | None,
+        thresholds: Thresholds,
+        sample_s: float,
     ) -> None:
         self.client = client
+        self.thresholds = thresholds
+        self.history = History(sample_s)
+        self.findings: list[Finding] = []
+        self._sampler: asyncio.Task[None] | None = None
         self.streams = streams
         self.group = group
         self.refresh_s = refresh_s
@@ -118,11 +151,33 @@ class Reader:
             now = time.monotonic()
             if self.inspection is None or now >= self._next_read:
                 self.inspection = await self._read(now)
+                self.read_at_ms = int(time.time() * 1000)
+                self.history.add(self.inspection, self.read_at_ms)
+                self.findings, _ = await inspection_findings(
+                    self.client,
+                    self.inspection,
+                    self.thresholds,
+                    self.history.dead_letters_added(),
+                )
                 took = time.monotonic() - now
                 self._next_read = now + took + next_gap(self.refresh_s, took)
-                self.read_at_ms = int(time.time() * 1000)
                 self._publish(self.inspection)
             return self.inspection
+
+    def sample(self) -> None:
+        """From the first ask on, read every ``sample_s`` whoever asks: the
+        history has no gaps while nobody looks (started here, in the app's
+        own loop: no lifespan needed when mounted)."""
+        if self._sampler is None:
+            self._sampler = asyncio.create_task(self._sample_forever())
+
+    async def _sample_forever(self) -> None:
+        gap = max(self.history.sample_s, self.refresh_s)
+        while True:
+            # A failed reading is the page's to show; sampling goes on.
+            with contextlib.suppress(RedisError, OSError):
+                await self.latest()
+            await asyncio.sleep(gap)
 
     def expire(self) -> None:
         """The next ask reads again (after a change made through the page)."""
@@ -208,13 +263,51 @@ class _Routes:
 
     async def state(self, _: Request) -> Response:
         reader = self.reader
-        body = inspection_to_json(await reader.latest(), node=reader.node)
+        reader.sample()
+        inspection = await reader.latest()
+        body = inspection_to_json(inspection, node=reader.node)
         body["page"] = {
             "refresh_s": reader.refresh_s,
             "read_at_ms": reader.read_at_ms,
             "changes": self.token is not None,
         }
+        idle_timeout = reader.thresholds.idle_timeout_ms
+        body["diagnosis"] = {
+            "idle_timeout_ms": idle_timeout,
+            "findings": [spelled(f) for f in reader.findings],
+        }
+        for stream_json, stream in zip(
+            body["streams"], inspection.streams, strict=True
+        ):
+            for group_json, group in zip(
+                stream_json["groups"], stream.groups, strict=True
+            ):
+                for consumer_json, consumer in zip(
+                    group_json["consumers"], group.consumers, strict=True
+                ):
+                    liveness = consumer_liveness(consumer, idle_timeout)
+                    consumer_json["liveness"] = liveness.value
         return JSONResponse(body)
+
+    async def history(self, _: Request) -> Response:
+        self.reader.sample()
+        return JSONResponse(self.reader.history.to_json())
+
+    async def tasks(self, request: Request) -> Response:
+        query = request.query_params.get("q", "").strip()
+        if not 0 < len(query) <= MAX_QUERY_CHARS:
+            raise _BadRequestError(
+                f"q must be a task id or name of 1..{MAX_QUERY_CHARS} characters"
+            )
+        inspection = await self.reader.latest()
+        groups = [
+            (stream.name, group.name, group.last_delivered_id)
+            for stream in inspection.streams
+            for group in stream.groups
+            if group.exists
+        ]
+        found = await find_tasks(self.client, groups, query)
+        return JSONResponse(task_search_to_json(found))
 
     async def letters(self, request: Request) -> Response:
         keys = _keys(request.query_params)
@@ -310,10 +403,28 @@ async def _bad_request(_: Request, error: Exception) -> Response:
     return JSONResponse({"error": str(error)}, status_code=400)
 
 
+def spelled(finding: Finding) -> dict[str, Any]:
+    from taskiq_atomic_claim.cli.doctor import advice  # noqa: PLC0415
+
+    return finding_to_json(finding, lambda f: advice(f, REACH))
+
+
 async def _unreachable(_: Request, error: Exception) -> Response:
-    """The server could not be read: the page says so and polls on."""
+    """The server could not be read: the page says so, greys what it
+    showed, and polls on."""
     message = f"{type(error).__name__}: {error}"
-    return JSONResponse({"error": message}, status_code=503)
+    unreadable = Finding(
+        "unreadable",
+        "server",
+        f"the server cannot be read: {message}; the numbers shown are the last"
+        " ones read",
+        "check that the server runs and this page's user may connect (network,"
+        " password, ACL); workers are likely failing the same way",
+        severity=Severity.CRITICAL,
+    )
+    return JSONResponse(
+        {"error": message, "findings": [spelled(unreadable)]}, status_code=503
+    )
 
 
 def create_app(
@@ -326,26 +437,46 @@ def create_app(
     consumer_limit: int = 200,
     token: str | None = None,
     node: str | None = None,
+    idle_timeout_ms: int = Thresholds.idle_timeout_ms,
+    sample_s: float = 10.0,
 ) -> Starlette:
     """The page of the server ``client`` reaches (a redis.asyncio client).
 
     Read-only unless ``token`` is given: then requeue and delete of dead
     letters are allowed to POSTs that carry it (``Authorization: Bearer``).
+    ``idle_timeout_ms``: the workers' idle_timeout (ms), what the diagnosis
+    measures overdue entries and dead consumers against.
     """
-    if not refresh_s > 0 or not discover_s > 0:
+    if not refresh_s > 0 or not discover_s > 0 or not sample_s > 0:
         raise ValueError(
-            f"refresh_s and discover_s must be > 0, got {refresh_s}, {discover_s}"
+            "refresh_s, discover_s and sample_s must be > 0, got"
+            f" {refresh_s}, {discover_s}, {sample_s}"
         )
+    if idle_timeout_ms < 1:
+        raise ValueError(f"idle_timeout_ms must be >= 1, got {idle_timeout_ms}")
     if consumer_limit < 1:
         raise ValueError(f"consumer_limit must be >= 1, got {consumer_limit}")
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"token must have at least {MIN_TOKEN_CHARS} characters")
-    reader = Reader(client, streams, group, refresh_s, discover_s, consumer_limit, node)
+    thresholds = Thresholds(idle_timeout_ms=idle_timeout_ms)
+    reader = Reader(
+        client,
+        streams,
+        group,
+        refresh_s,
+        discover_s,
+        consumer_limit,
+        node,
+        thresholds,
+        sample_s,
+    )
     routes = _Routes(reader, token)
     app = Starlette(
         routes=[
             Route("/", routes.index),
             Route("/api/state", routes.state),
+            Route("/api/history", routes.history),
+            Route("/api/tasks", routes.tasks),
             Route("/api/dead-letters", routes.letters),
             Route("/api/dead-letters/requeue", routes.change, methods=["POST"]),
             Route("/api/dead-letters/delete", routes.change, methods=["POST"]),
