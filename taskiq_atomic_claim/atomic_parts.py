@@ -33,6 +33,7 @@ from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.startup_checks import StartupChecks
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
+from taskiq_atomic_claim.stream_trim import StreamTrim
 
 
 class ParentFields(Protocol):
@@ -170,6 +171,9 @@ class AtomicParts:
             path=self.path,
             groups=self.groups,
             heartbeat=self.heartbeat,
+            trim=StreamTrim(
+                self.scripts, self.streams, self.in_flight, settings.keep_acked
+            ),
             read_from={queue_name: ">", **additional_streams},
             group=group,
             consumer=consumer,
