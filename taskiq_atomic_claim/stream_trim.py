@@ -107,27 +107,31 @@ class StreamTrim:
     async def trim_if_due(self, client: Any) -> None:
         """Trim each stream due; never fails the caller: a trim that cannot
         run now (outage, a user without +xtrim) leaves the stream longer
-        until the next one."""
+        until the next one. A call another broker's trim kept out (its gate)
+        stays due, so what this consumer acked since is trimmed next time."""
         now = time.monotonic()
         for stream in self.due(now):
             self._next[stream] = now + TRIM_INTERVAL_MS / 1000
-            self._last[stream] = now
-            self._read[stream] = 0
-            self._held[stream] = len(self.in_flight[stream])
+            held = len(self.in_flight[stream])
             try:
-                await within(REPLY_MARGIN_S, self.trim(client, stream))
+                trimmed, _ = await within(REPLY_MARGIN_S, self.trim(client, stream))
             except Exception as error:
+                trimmed = 0
                 if is_outage(error):
                     logger.debug("Trim of stream %r failed: %s", stream, error)
-                    continue
-                logger.log(
-                    logging.DEBUG if self._warned else logging.WARNING,
-                    "Cannot trim stream %r (it keeps acked entries until a"
-                    " trim works): %s",
-                    stream,
-                    error,
-                )
-                self._warned = True
+                else:
+                    logger.log(
+                        logging.DEBUG if self._warned else logging.WARNING,
+                        "Cannot trim stream %r (it keeps acked entries until"
+                        " a trim works): %s",
+                        stream,
+                        error,
+                    )
+                    self._warned = True
+            if trimmed != -1:
+                self._last[stream] = now
+                self._read[stream] = 0
+                self._held[stream] = held
 
     def keep_from_ms(self) -> int:
         """0, or the id time from which entries are kept: keep_acked ago, by
