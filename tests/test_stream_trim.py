@@ -49,7 +49,7 @@ async def trim(
 
 @pytest.fixture
 async def nodes(redis: Redis) -> Any:
-    (old,) = (await redis.config_get(ONE_PER_NODE[0])).values()
+    old: Any = (await redis.config_get(ONE_PER_NODE[0]))[ONE_PER_NODE[0]]
     await redis.config_set(*ONE_PER_NODE)
     yield
     await redis.config_set(ONE_PER_NODE[0], old)
@@ -65,7 +65,8 @@ async def read(redis: Redis, group: str, count: int) -> list[str]:
 
 
 async def ids_left(redis: Redis) -> list[str]:
-    return [text(entry_id) for entry_id, _ in await redis.xrange(STREAM)]
+    entries: Any = await redis.xrange(STREAM)
+    return [text(entry_id) for entry_id, _ in entries]
 
 
 async def test_only_what_every_group_read_and_acked_goes(
@@ -161,6 +162,7 @@ def test_maxlen_is_sent_only_where_it_keeps_what_groups_need(
 
 
 def test_keep_acked_is_checked_at_construction() -> None:
+    bad: Any
     for bad in (-1, "60", True):
         with pytest.raises(ValueError, match="keep_acked must be"):
             AtomicRedisStreamBroker("redis://127.0.0.1:1", keep_acked=bad)
