@@ -205,7 +205,7 @@ async def test_the_sweep_drops_only_idle_pending_entries_whose_data_is_gone(
 
 
 async def test_maxlen_never_trims_an_unread_or_unacked_entry(
-    server: Server, redis: Redis
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await started(server, maxlen=2, approximate=False)
     try:
@@ -221,8 +221,12 @@ async def test_maxlen_never_trims_an_unread_or_unacked_entry(
             # Redis >= 8.2: XADD ... ACKED MAXLEN.
             assert policy.startswith("MAXLEN ACKED")
         else:
-            # Elsewhere MAXLEN would trim them: the kick does not send it.
+            # Elsewhere MAXLEN would trim them: the kick does not send it,
+            # and says so once.
             assert policy.startswith("maxlen not sent")
+            warned = [m for r in caplog.records if "maxlen=2" in (m := r.getMessage())]
+            assert len(warned) == 1, warned
+            assert server.info.name in warned[0]
     finally:
         await broker.shutdown()
 
