@@ -196,3 +196,20 @@ async def test_tasks_kicked_with_maxlen_while_no_worker_runs_all_run(
             assert ran == {f"run-{n}" for n in range(KICKED)}, logs()
     finally:
         await producer.shutdown()
+
+
+async def test_an_idle_consumer_trims_once_then_only_after_reads(
+    server: Server, redis: Redis
+) -> None:
+    """An idle fleet sends no trim: a consumer calls it at its listen's
+    start, then only once it read (or finished) something since."""
+    broker = AtomicRedisStreamBroker(server.url, queue_name=STREAM)
+    trimming = broker.atomic.listener.trim
+    trimming.begin()
+    assert trimming.due(time.monotonic()) == [STREAM]
+    await trimming.trim_if_due(redis)
+    later = time.monotonic() + 3600
+    assert trimming.due(later) == []
+    trimming.read(STREAM)
+    assert trimming.due(later) == [STREAM]
+    await broker.shutdown()
