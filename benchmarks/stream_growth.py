@@ -5,8 +5,8 @@ processes, this package's broker beside taskiq-redis's (1.2.4 here).
 Each (server, broker) gets a fresh server on loopback (its own binary from
 ``find_binaries``), a producer kicking in batches while the workers drain,
 then a settle of ``settle_s`` (the workers' last trim). Printed per run:
-the stream's length, ``used_memory`` above the empty server's, and the
-time the drain took.
+the stream's length, ``used_memory`` above the server's before the kicks,
+``MEMORY USAGE`` of the stream key, and the time the drain took.
 
     python -m benchmarks.stream_growth [--tasks N] [--server LABEL ...]
 """
@@ -115,12 +115,15 @@ async def one_run(kind: str, url: str, tasks: int, count: int, settle_s: float) 
             await asyncio.sleep(settle_s)
             length = await client.xlen(QUEUE)
             memory = await used_memory(client) - base
+            # The stream key alone: on Redis >= 8.6 it also holds the task
+            # ids kicks remember for idempotency_window (IDMP).
+            key = int(await client.memory_usage(QUEUE) or 0)
     finally:
         await producer.shutdown()
         await client.aclose()
     return (
-        f"{kind:9} stream length {length:>9,}  used_memory +{memory / 2**20:8.2f} MiB"
-        f"  (drained in {took:.1f} s)"
+        f"{kind:9} stream length {length:>9,}  used_memory +{memory / 2**20:7.2f}"
+        f" MiB, the stream key {key / 2**20:7.2f} MiB  (drained in {took:.1f} s)"
     )
 
 
