@@ -41,7 +41,6 @@ from taskiq_atomic_claim.server_calls import (
 from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
-from taskiq_atomic_claim.stream_trim import StreamTrim
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -64,7 +63,6 @@ class Listener:
         path: PathChoice,
         groups: ConsumerGroups,
         heartbeat: Heartbeat,
-        trim: StreamTrim,
         read_from: dict[str, str | int],
         group: str,
         consumer: str,
@@ -83,7 +81,6 @@ class Listener:
         self.path = path
         self.groups = groups
         self.heartbeat = heartbeat
-        self.trim = trim
         self.read_from = read_from
 
     async def listen(self, broker: AsyncBroker) -> AsyncGenerator[AckableMessage, None]:
@@ -137,7 +134,8 @@ class Listener:
                 if not claim_refused:
                     outage.succeeded()
                 group_gone = False
-                await self._hold(client, batch)
+                for stream, entry_id, _ in batch:
+                    self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     message = self.in_flight.deliverable(stream, entry_id, fields)
                     if message is not None:
@@ -199,17 +197,6 @@ class Listener:
         await outage.wait(error)
         return False
 
-    async def _hold(
-        self, client: ScriptClient, batch: list[tuple[str, str, dict[Any, Any]]]
-    ) -> None:
-        """After a read (``batch`` may be empty): hold what it took, and
-        trim the streams due (never fails: a stream not trimmed now is
-        trimmed later)."""
-        for stream, entry_id, _ in batch:
-            self.in_flight.add(stream, [entry_id])
-            self.trim.read(stream)
-        await self.trim.trim_if_due(client)
-
     def _mark_delivered(self, fetched: Any) -> None:
         for stream, entry_id, _, _ in read_entries(fetched):
             self.in_flight.add(stream, [entry_id])
@@ -227,5 +214,4 @@ class Listener:
         hook_receiver(broker, self.in_flight)
         self.heartbeat.start()
         self.schedule.begin()
-        self.trim.begin()
         self.path.begin()

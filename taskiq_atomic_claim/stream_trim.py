@@ -7,8 +7,9 @@ held, since it last trimmed calls the trim once its interval passed. The
 script itself lets the fleet trim each stream at most once per
 ``TRIM_INTERVAL_MS`` (its gate key), and removes only what every group
 has read and acked, so it is safe on every server generation and topology,
-on both reclaim paths. It runs from the listen loop, between reads: that is
-where a worker's reads, and so its need to trim, come from, on either path.
+on both reclaim paths. It runs after each read step of the listen loop:
+that is where a worker's reads, and so its need to trim, come from, on
+either path.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import logging
 import time
 from typing import Any
 
+from taskiq_atomic_claim.claim_schedule import ClaimSchedule
 from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.keys import trim_gate
+from taskiq_atomic_claim.metrics import ReclaimMetrics
+from taskiq_atomic_claim.native_reads import NativePathReads
 from taskiq_atomic_claim.operations import trim_consumed_call
+from taskiq_atomic_claim.reads import GroupReads, LuaPathReads
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
@@ -57,7 +62,8 @@ def kick_maxlen(server: ServerInfo, maxlen: int | None, approximate: bool) -> li
 
 
 class StreamTrim:
-    """When one consumer trims each of its streams."""
+    """When one consumer trims each of its streams: after its read steps
+    (``TrimmedLuaReads``, ``TrimmedNativeReads``)."""
 
     def __init__(
         self,
@@ -72,21 +78,27 @@ class StreamTrim:
         self.keep_acked_ms = keep_acked_ms
         self._next: dict[str, float] = {}
         self._last: dict[str, float] = {}
-        # Per stream: entries read since the last trim call, and how many of
-        # its entries this consumer held then.
-        self._read: dict[str, int] = {}
+        # Per stream: entries read since the last trim call (one at first:
+        # the first read step trims what an older release or a stopped
+        # fleet left behind), and how many of its entries this consumer
+        # held then.
+        self._read = dict.fromkeys(streams, 1)
         self._held: dict[str, int] = {}
         self._warned = False
-
-    def begin(self) -> None:
-        """A new listen(): trim each stream at once (what an older release
-        or a stopped fleet left behind)."""
-        self._next = dict.fromkeys(self.streams, 0.0)
-        self._read = dict.fromkeys(self.streams, 1)
 
     def read(self, stream: str) -> None:
         """An entry of ``stream`` was read by this consumer."""
         self._read[stream] = self._read.get(stream, 0) + 1
+
+    async def after_read(
+        self, client: Any, batch: list[tuple[str, str, dict[Any, Any]]]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        """After a read step: count what it read, trim the streams due, and
+        hand ``batch`` on."""
+        for stream, _, _ in batch:
+            self.read(stream)
+        await self.trim_if_due(client)
+        return batch
 
     def due(self, now: float) -> list[str]:
         due = []
@@ -162,3 +174,39 @@ class StreamTrim:
                 stream,
             )
         return int(trimmed), text(bound)
+
+
+class TrimmedLuaReads(LuaPathReads):
+    """The Lua path's read step, then the trim of the streams due."""
+
+    def __init__(
+        self, reads: GroupReads, schedule: ClaimSchedule, trim: StreamTrim
+    ) -> None:
+        super().__init__(reads, schedule)
+        self.trim = trim
+
+    async def step(
+        self, client: Any, read_from: dict[str, Any]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        return await self.trim.after_read(client, await super().step(client, read_from))
+
+
+class TrimmedNativeReads(NativePathReads):
+    """The read step where reads reclaim, then the trim of the streams due."""
+
+    def __init__(
+        self,
+        reads: GroupReads,
+        schedule: ClaimSchedule,
+        scripts: ScriptRunner,
+        in_flight: EntryLifecycle,
+        metrics: ReclaimMetrics,
+        trim: StreamTrim,
+    ) -> None:
+        super().__init__(reads, schedule, scripts, in_flight, metrics)
+        self.trim = trim
+
+    async def step(
+        self, client: Any, read_from: dict[str, Any]
+    ) -> list[tuple[str, str, dict[Any, Any]]]:
+        return await self.trim.after_read(client, await super().step(client, read_from))

@@ -204,8 +204,7 @@ async def test_an_idle_consumer_trims_once_then_only_after_reads(
     """An idle fleet sends no trim: a consumer calls it at its listen's
     start, then only once it read (or finished) something since."""
     broker = AtomicRedisStreamBroker(server.url, queue_name=STREAM)
-    trimming = broker.atomic.listener.trim
-    trimming.begin()
+    trimming = broker.atomic.trim
     assert trimming.due(time.monotonic()) == [STREAM]
     await trimming.trim_if_due(redis)
     later = time.monotonic() + 3600
