@@ -103,6 +103,11 @@ class AtomicParts:
             stand_aside=self.schedule.stand_aside,
             connect=connection.connect,
         )
+        # Each read step is followed by the trim of the streams due (on
+        # either path: where reads reclaim no claim script runs).
+        self.trim = StreamTrim(
+            self.scripts, self.streams, self.in_flight, settings.keep_acked
+        )
         self.connection = connection
         before_call = self.connection.before_call
         positions = GroupPositions()
@@ -158,11 +163,6 @@ class AtomicParts:
             broker.maxlen,
             broker.approximate,
             settings,
-        )
-        # Each read step is followed by the trim of the streams due (on
-        # either path: where reads reclaim no claim script runs).
-        self.trim = StreamTrim(
-            self.scripts, self.streams, self.in_flight, settings.keep_acked
         )
         self.listener = Listener(
             connection=self.connection,
