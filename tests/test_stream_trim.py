@@ -201,8 +201,8 @@ async def test_tasks_kicked_with_maxlen_while_no_worker_runs_all_run(
 async def test_an_idle_consumer_trims_once_then_only_after_reads(
     server: Server, redis: Redis
 ) -> None:
-    """An idle fleet sends no trim: a consumer calls it at its listen's
-    start, then only once it read (or finished) something since."""
+    """An idle fleet sends no trim: a consumer calls it after its first
+    read step, then only once it read (or finished) something since."""
     broker = AtomicRedisStreamBroker(server.url, queue_name=STREAM)
     trimming = broker.atomic.trim
     assert trimming.due(time.monotonic()) == [STREAM]
