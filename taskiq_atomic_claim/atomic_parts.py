@@ -25,14 +25,18 @@ from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeat
 from taskiq_atomic_claim.kicking import Kicker
 from taskiq_atomic_claim.metrics import ReclaimMetrics
-from taskiq_atomic_claim.native_reads import NativePathReads
-from taskiq_atomic_claim.reads import GroupReads, LuaPathReads
+from taskiq_atomic_claim.reads import GroupReads
 from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.reclaiming import Listener
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.startup_checks import StartupChecks
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
+from taskiq_atomic_claim.stream_trim import (
+    StreamTrim,
+    TrimmedLuaReads,
+    TrimmedNativeReads,
+)
 
 
 class ParentFields(Protocol):
@@ -99,6 +103,11 @@ class AtomicParts:
             stand_aside=self.schedule.stand_aside,
             connect=connection.connect,
         )
+        # Each read step is followed by the trim of the streams due (on
+        # either path: where reads reclaim no claim script runs).
+        self.trim = StreamTrim(
+            self.scripts, self.streams, self.in_flight, settings.keep_acked
+        )
         self.connection = connection
         before_call = self.connection.before_call
         positions = GroupPositions()
@@ -163,9 +172,14 @@ class AtomicParts:
             in_flight=self.in_flight,
             schedule=self.schedule,
             claims=self.claims,
-            lua_reads=LuaPathReads(self.reads, self.schedule),
-            native_reads=NativePathReads(
-                self.reads, self.schedule, self.scripts, self.in_flight, self.metrics
+            lua_reads=TrimmedLuaReads(self.reads, self.schedule, self.trim),
+            native_reads=TrimmedNativeReads(
+                self.reads,
+                self.schedule,
+                self.scripts,
+                self.in_flight,
+                self.metrics,
+                self.trim,
             ),
             path=self.path,
             groups=self.groups,

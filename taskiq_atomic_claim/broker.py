@@ -51,6 +51,7 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
         delete_acked: bool = False,
         kick_patience: float = DEFAULT_KICK_PATIENCE_S,
         idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
+        keep_acked: float = 0,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its units, plus ``claim_interval``.
@@ -81,6 +82,10 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
             task id (XCFGSET IDMP-DURATION, 1..86400), so a kick resent with
             the same task id within it enqueues nothing; each remembered id
             costs the server about 72 bytes, at most 160,000 per stream.
+        :param keep_acked: seconds the workers' trim keeps entries every
+            consumer group acked (by their id's time); 0, the default, keeps
+            none: the stream holds what is waiting and in flight, plus about
+            one second of traffic. Not with maxlen (both bound the same).
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -100,6 +105,7 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
             delete_acked=delete_acked,
             kick_patience=kick_patience,
             idempotency_window=idempotency_window,
+            keep_acked=keep_acked,
         )
         super().__init__(
             url,

@@ -75,6 +75,7 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         delete_acked: bool = False,
         kick_patience: float = DEFAULT_KICK_PATIENCE_S,
         idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
+        keep_acked: float = 0,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -101,7 +102,9 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         :param kick_patience: seconds a kick retries through an outage,
             and
         :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
-            task id: as in ``AtomicRedisStreamBroker``.
+            task id, and
+        :param keep_acked: seconds the workers' trim keeps acked entries:
+            as in ``AtomicRedisStreamBroker``.
         :raises ValueError: for a bad argument, or a stream whose keys would
             not all hash to its slot (the claim script could not run).
         """
@@ -123,6 +126,7 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
             delete_acked=delete_acked,
             kick_patience=kick_patience,
             idempotency_window=idempotency_window,
+            keep_acked=keep_acked,
         )
         named = [("queue_name", queue_name)]
         named += [("additional_streams key", s) for s in additional_streams or {}]

@@ -62,6 +62,13 @@ def slot_anchor(stream: str) -> str:
     return "{" + _slot_tag(stream) + "}:" + encoded
 
 
+def trim_gate(stream: str) -> str:
+    """A string (coordination, always expires): set while ``stream`` was
+    trimmed within the last trim interval, by a broker of any group (one per
+    stream, so no group in its name; see ``stream_trim.py``)."""
+    return f"{PREFIX}:trim:{slot_anchor(stream)}"
+
+
 @dataclass(frozen=True)
 class StreamKeys:
     """Coordination keys for one (stream, consumer group) pair."""
@@ -88,8 +95,18 @@ class StreamKeys:
         task not followed by an ack; what max_deliveries counts."""
         return f"{PREFIX}:started:{slot_anchor(self.stream)}:{self.group}"
 
+    @property
+    def trim_gate(self) -> str:
+        return trim_gate(self.stream)
+
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
         slot = key_slot(self.stream.encode())
-        keys = (self.lease, self.cursor, self.dead_letters, self.started)
+        keys = (
+            self.lease,
+            self.cursor,
+            self.dead_letters,
+            self.started,
+            self.trim_gate,
+        )
         return all(key_slot(key.encode()) == slot for key in keys)

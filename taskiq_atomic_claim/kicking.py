@@ -22,6 +22,7 @@ after sending) raises at once, saying why.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ from taskiq_atomic_claim.server_calls import (
 from taskiq_atomic_claim.server_errors import certainly_not_written, is_outage
 from taskiq_atomic_claim.server_info import ServerInfo
 from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.stream_trim import kick_maxlen
+
+logger = logging.getLogger("taskiq.atomic_claim")
 
 _DATA_FIELD = b"data"
 # Producer ids a stream's remembered task ids are spread over: Redis keeps at
@@ -99,6 +103,8 @@ class Kicker:
         self.settings = settings
         # Per stream: the server whose IDMP settings this broker last set on it.
         self._idempotency_set: dict[str, ServerInfo] = {}
+        # The server last told that maxlen is not sent to it.
+        self._maxlen_warned = ""
         # Shared by every kick: one outage, one log line, however many kicks.
         self.backoff = Backoff(
             "kicks",
@@ -146,10 +152,11 @@ class Kicker:
         how far it got, for deciding whether a failed one may be resent."""
         async with self.connect() as client:
             server = await self.scripts.server(client)
-            options: list[Any] = []
-            if server.acked_trimming and self.maxlen is not None:
-                # Never trim an entry a group has not acked.
-                options.append("ACKED")
+            # Never trims an entry a group has not read and acked.
+            trimming = kick_maxlen(server, self.maxlen, self.approximate)
+            if self.maxlen is not None and not trimming:
+                self._maxlen_not_sent(server)
+            options: list[Any] = trimming[:1]
             if server.idempotent_add:
                 await self._set_idempotency(client, stream, server)
                 options += [
@@ -158,13 +165,25 @@ class Kicker:
                     idempotency_id(message),
                 ]
                 attempt.idempotent = True
-            if self.maxlen is not None:
-                options += ["MAXLEN", "~" if self.approximate else "=", self.maxlen]
+            options += trimming[1:]
             # From here a failure may come after the server added the entry.
             attempt.sent = True
             await client.execute_command(
                 "XADD", stream, *options, "*", _DATA_FIELD, message.message
             )
+
+    def _maxlen_not_sent(self, server: ServerInfo) -> None:
+        """Once per server: say why maxlen is not sent."""
+        if self._maxlen_warned == server.name:
+            return
+        self._maxlen_warned = server.name
+        logger.warning(
+            "maxlen=%d is not sent to %s: its MAXLEN would trim unread and"
+            " unacked entries (no ACKED before Redis 8.2), losing accepted"
+            " tasks; the workers trim what every consumer group acked instead",
+            self.maxlen,
+            server.name,
+        )
 
     async def _set_idempotency(
         self, client: ScriptClient, stream: str, server: ServerInfo

@@ -124,6 +124,12 @@ SET_IDEMPOTENCY: Operation[Any] = Operation("set_idempotency", ("stream",))
 # The ids the caller no longer owns. The heartbeat: keeps memory as it is.
 SET_IDLE: Operation[list[Any]] = Operation("set_idle", ("stream",), allow_oom=True)
 
+# [trimmed, bound]: trimmed -1 when another call trimmed within the interval.
+# Out of memory too: it frees memory (its gate is one small expiring key).
+TRIM_CONSUMED: Operation[list[Any]] = Operation(
+    "trim_consumed", ("stream", "trim_gate"), allow_oom=True
+)
+
 OPERATIONS: tuple[Operation[Any], ...] = (
     CLAIM,
     DEAD_LETTER,
@@ -135,6 +141,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
+    TRIM_CONSUMED,
 )
 
 
@@ -304,3 +311,13 @@ def set_idle_call(
     *, stream: str, group: str, consumer: str, idle_ms: int, entry_ids: Sequence[str]
 ) -> OperationCall[list[Any]]:
     return OperationCall(SET_IDLE, (stream,), (group, consumer, idle_ms, *entry_ids))
+
+
+def trim_consumed_call(
+    *, stream: str, trim_gate: str, interval_ms: int, keep_from_ms: int, limit: int
+) -> OperationCall[list[Any]]:
+    """``keep_from_ms``: 0, or the time (ms since the epoch) from which
+    entries are kept whether acked or not."""
+    return OperationCall(
+        TRIM_CONSUMED, (stream, trim_gate), (interval_ms, keep_from_ms, limit)
+    )

@@ -118,6 +118,7 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
         delete_acked: bool = False,
         kick_patience: float = DEFAULT_KICK_PATIENCE_S,
         idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S,
+        keep_acked: float = 0,
         **connection_kwargs: Any,
     ) -> None:
         """Take the parent's arguments, in its order and units; the reclaim
@@ -145,7 +146,9 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
         :param kick_patience: seconds a kick retries through an outage,
             and
         :param idempotency_window: seconds Redis >= 8.6 remembers a kicked
-            task id: as in ``AtomicRedisStreamBroker``.
+            task id, and
+        :param keep_acked: seconds the workers' trim keeps acked entries:
+            as in ``AtomicRedisStreamBroker``.
         """
         claim_settings = check_broker_arguments(
             idle_timeout=idle_timeout,
@@ -165,6 +168,7 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
             delete_acked=delete_acked,
             kick_patience=kick_patience,
             idempotency_window=idempotency_window,
+            keep_acked=keep_acked,
         )
         require_name("master_name", master_name)
         super().__init__(

@@ -121,7 +121,7 @@ class ServerInfo:
         """What ``maxlen`` trimming does on this server."""
         if self.acked_trimming:
             return "MAXLEN ACKED (trims only entries every group acked)"
-        return "MAXLEN (trims pending entries too)"
+        return "maxlen not sent (MAXLEN here trims unread and unacked entries)"
 
     def require_scripting(self, where: str = "") -> None:
         """Raise, saying why, when this server runs no scripts for us;

@@ -37,6 +37,8 @@ MAX_KICK_PATIENCE_S = 3600
 # whose range is 1..86400 s; Redis's own default is 100 s).
 DEFAULT_IDEMPOTENCY_WINDOW_S = 100
 MAX_IDEMPOTENCY_WINDOW_S = 86_400
+# keep_acked: ten years, far past any history a task queue keeps.
+MAX_KEEP_ACKED_S = 10 * 365 * 86_400
 _MAX_ID_PART = 2**64 - 1
 _STREAM_ID = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -94,6 +96,8 @@ class ClaimSettings:
     kick_patience: float = DEFAULT_KICK_PATIENCE_S
     # Seconds Redis >= 8.6 remembers a kicked task id (IDMP-DURATION).
     idempotency_window: int = DEFAULT_IDEMPOTENCY_WINDOW_S
+    # ms the workers' trim keeps entries every group acked; 0: none.
+    keep_acked: int = 0
 
     @classmethod
     def from_broker_arguments(
@@ -198,6 +202,7 @@ def check_broker_arguments(
     delete_acked: object = False,
     kick_patience: object = DEFAULT_KICK_PATIENCE_S,
     idempotency_window: object = DEFAULT_IDEMPOTENCY_WINDOW_S,
+    keep_acked: object = 0,
 ) -> ClaimSettings:
     """Every check the brokers share; a ValueError names the parameter."""
     if not isinstance(delete_acked, bool):
@@ -215,6 +220,7 @@ def check_broker_arguments(
     window = require_positive_int(
         "idempotency_window", idempotency_window, MAX_IDEMPOTENCY_WINDOW_S
     )
+    keep_acked_ms = _keep_acked_ms(keep_acked, maxlen)
     settings = ClaimSettings.from_broker_arguments(
         idle_timeout=idle_timeout,
         claim_interval=claim_interval,
@@ -266,7 +272,29 @@ def check_broker_arguments(
         delete_acked=delete_acked,
         kick_patience=float(kick_patience),
         idempotency_window=window,
+        keep_acked=keep_acked_ms,
     )
+
+
+def _keep_acked_ms(keep_acked: object, maxlen: object) -> int:
+    """``keep_acked`` seconds as ms; refused beside ``maxlen``, which bounds
+    the same acked entries by count (on Redis >= 8.2 only)."""
+    if (
+        not isinstance(keep_acked, int | float)
+        or isinstance(keep_acked, bool)
+        or not 0 <= keep_acked <= MAX_KEEP_ACKED_S
+    ):
+        raise ValueError(
+            f"keep_acked must be a number of seconds >= 0 and <= {MAX_KEEP_ACKED_S}"
+            " (how long the workers' trim keeps entries every group acked; 0"
+            f" keeps none), got {keep_acked!r}"
+        )
+    if keep_acked and maxlen is not None:
+        raise ValueError(
+            f"keep_acked={keep_acked!r} and maxlen={maxlen!r} both bound the acked"
+            " entries a stream keeps, by age and by count: set one"
+        )
+    return round(keep_acked * 1000)
 
 
 def _bounded_lease(settings: ClaimSettings) -> int:

@@ -301,6 +301,31 @@ async def test_streams_on_three_primaries_are_read_and_reclaimed(
 
 
 @bounded(60)
+async def test_streams_on_three_primaries_are_trimmed_once_consumed(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    """The trim's keys share the stream's slot: one script call per stream,
+    on its primary. 200 entries fill several nodes, so XTRIM ... ~ has some
+    to remove."""
+    streams = spread_streams(cluster, f"trim-{uuid.uuid4().hex[:6]}")
+    broker = await make_broker(cluster, streams, "trimmer")
+    bodies = await kick_all(broker, streams, 200, "t")
+    consumer = Consumer(broker)
+    assert await consumer.wait_for(bodies, 20), len(consumer.bodies)
+
+    async def lengths() -> list[int]:
+        return [int(await broker.redis.xlen(stream)) for stream in streams]
+
+    for _ in range(100):
+        if max(await lengths()) < 200:
+            break
+        await asyncio.sleep(0.1)
+    await consumer.stop()
+    assert max(await lengths()) < 200, await lengths()
+    assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+@bounded(60)
 async def test_entries_read_while_the_consumer_is_busy_are_heartbeated(
     cluster: LocalCluster, make_broker: Brokers
 ) -> None:

@@ -204,8 +204,8 @@ async def test_the_sweep_drops_only_idle_pending_entries_whose_data_is_gone(
     assert sorted(await redis.hkeys(KEYS.started)) == [ids[1], ids[2], ids[4]]
 
 
-async def test_maxlen_trims_only_acked_entries_where_the_server_can(
-    server: Server, redis: Redis
+async def test_maxlen_never_trims_an_unread_or_unacked_entry(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await started(server, maxlen=2, approximate=False)
     try:
@@ -213,17 +213,20 @@ async def test_maxlen_trims_only_acked_entries_where_the_server_can(
         [unacked] = await pending_by(redis, "busy", 1)
         for number in range(4):
             await broker.kick(message(f"m{number}"))
-        kept = await redis.xrange("taskiq", unacked, unacked)
+        assert await redis.xrange("taskiq", unacked, unacked), "a pending entry went"
+        # One pending, four unread: nothing may go, on any server.
+        assert await redis.xlen("taskiq") == 5
+        policy = broker.atomic.path.trimming_policy
         if server.info.acked_trimming:
-            # Redis >= 8.2 (XADD ... ACKED): nothing pending or unread goes.
-            assert kept, "a pending entry was trimmed"
-            assert await redis.xlen("taskiq") == 5
-            assert broker.atomic.path.trimming_policy.startswith("MAXLEN ACKED")
+            # Redis >= 8.2: XADD ... ACKED MAXLEN.
+            assert policy.startswith("MAXLEN ACKED")
         else:
-            # Documented: older servers and Valkey trim pending entries too.
-            assert not kept
-            assert await redis.xlen("taskiq") == 2
-            assert broker.atomic.path.trimming_policy.startswith("MAXLEN (trims")
+            # Elsewhere MAXLEN would trim them: the kick does not send it,
+            # and says so once.
+            assert policy.startswith("maxlen not sent")
+            warned = [m for r in caplog.records if "maxlen=2" in (m := r.getMessage())]
+            assert len(warned) == 1, warned
+            assert server.info.name in warned[0]
     finally:
         await broker.shutdown()
 

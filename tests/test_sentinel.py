@@ -271,6 +271,30 @@ async def test_a_dead_consumers_entries_are_reclaimed_through_sentinel(
     assert unexpiring_keys([sentinels.master_port()]) == []
 
 
+@bounded(60)
+async def test_a_consumed_stream_is_trimmed_through_sentinel(
+    sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    """200 entries fill several nodes, so XTRIM ... ~ has some to remove."""
+    queue = f"trim-{uuid.uuid4().hex[:6]}"
+    broker = await make_broker(sentinels, queue, "trimmer")
+    bodies = await kick(broker, queue, 200, "t")
+    consumer = Consumer(broker)
+    assert await consumer.wait_for(bodies, 20)
+
+    def length() -> int:
+        with master_client(sentinels) as client:
+            return int(client.xlen(queue))
+
+    for _ in range(100):
+        if length() < 200:
+            break
+        await asyncio.sleep(0.1)
+    await consumer.stop()
+    assert length() < 200
+    assert unexpiring_keys([sentinels.master_port()]) == []
+
+
 def connections_received(port: int) -> int:
     with SyncRedis(host=HOST, port=port) as client:
         stats: Any = client.info("stats")

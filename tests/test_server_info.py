@@ -125,7 +125,11 @@ async def test_check_inspect_and_doctor_name_the_server_and_paths(
     native = product == "Redis" and release >= (8, 4)
     path = NATIVE_CLAIM if native else LUA_CLAIM
     acked = product == "Redis" and release >= (8, 2)
-    trimming = "MAXLEN ACKED" if acked else "MAXLEN (trims pending entries too)"
+    trimming = (
+        "MAXLEN ACKED"
+        if acked
+        else "maxlen not sent (MAXLEN here trims unread and unacked entries)"
+    )
     await redis.xgroup_create("jobs", "workers", id="0", mkstream=True)
     check = cli("check", "--url", server.url)
     assert f"{name}: reclaim via {path}, trimming {trimming}" in check.stdout

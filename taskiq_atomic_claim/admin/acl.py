@@ -14,17 +14,24 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xadd", "kick; dead letters (inside the scripts)"),
     ("xgroup|create", "create the group at startup and after it vanished"),
     ("type", "refuse to start on a key that is not a stream"),
-    ("xinfo|groups", "where the group is, to re-create it there if it vanishes"),
+    (
+        "xinfo|groups",
+        "where the group is, to re-create it there if it vanishes; inside"
+        " trim_consumed",
+    ),
     ("info", "INFO server: functions (>= 7) or cached scripts (6.2)"),
     ("xautoclaim", "inside claim"),
-    ("xpending", "inside set_idle, hand_back, dead_letter, decline, drop_trimmed"),
+    (
+        "xpending",
+        "inside set_idle, hand_back, dead_letter, decline, drop_trimmed, trim_consumed",
+    ),
     (
         "xclaim",
         "fetch what claim took; inside set_idle, hand_back, decline, drop_trimmed",
     ),
     ("xrange", "inside claim (dead letters), dead_letter, drop_trimmed (6.2)"),
     ("get", "inside claim: lease holder, cursor"),
-    ("set", "inside claim: lease, cursor (always with PX)"),
+    ("set", "inside claim: lease, cursor; trim_consumed: its gate (always PX)"),
     ("del", "inside claim: finished cursor"),
     ("pttl", "inside claim: lease lifetime"),
     ("pexpire", "inside claim: bound a lease written without expiry; start"),
@@ -39,6 +46,7 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
         "inside leave_group: a worker exiting, consumers owning nothing",
     ),
     ("xinfo|consumers", "inside leave_group: which consumers own nothing"),
+    ("xtrim", "inside trim_consumed: entries every group read and acked"),
 )
 # taskiq-redis's RedisAsyncResultBackend, beyond GET and SET above: the
 # worker SETs results (with EX/PX when given), whoever waits reads them.
@@ -47,7 +55,7 @@ RESULT_BACKEND_COMMANDS = (
     ("getdel", "result backend: get_result with keep_results=False"),
 )
 # Only lua/claim.lua issues these (XAUTOCLAIM; the lease and cursor keys).
-CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "set", "del", "pttl"})
+CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "del", "pttl"})
 # delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
 DELETE_ACKED_COMMANDS = (("xackdel", "ack; inside claim, dead_letter"),)
 # Redis >= 8.6: kicks set how long the stream remembers task ids (IDMP).
@@ -78,6 +86,7 @@ Keys, per stream S:
     ~taskiq-atomic-claim:cursor:{S}:S:G
     ~taskiq-atomic-claim:dead:{S}:S:G
     ~taskiq-atomic-claim:started:{S}:S:G
+    ~taskiq-atomic-claim:trim:{S}:S
   (Inside the braces, the part of S Redis hashes: its hash tag, or all of
   S; after them, S with % and : percent-encoded; see keys.py.)
   Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
@@ -87,8 +96,8 @@ Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
     +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer +xinfo|consumers
-    +multi +exec
-  except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get +set
+    +multi +exec +xtrim
+  except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
   acl --delete-acked) adds +xackdel; the ServerGauges middleware (acl
@@ -129,7 +138,14 @@ def worker_key_patterns(
     patterns: list[str] = []
     for stream in streams:
         keys = StreamKeys(stream, group)
-        for key in (stream, keys.lease, keys.cursor, keys.dead_letters, keys.started):
+        for key in (
+            stream,
+            keys.lease,
+            keys.cursor,
+            keys.dead_letters,
+            keys.started,
+            keys.trim_gate,
+        ):
             patterns.append("~" + (acl_pattern(key) if literal else key))
     return list(dict.fromkeys(patterns))
 
@@ -164,8 +180,8 @@ def worker_commands(
     names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
     if (major, minor) >= (8, 4):
         # The read reclaims (XREADGROUP ... CLAIM): no claim script runs;
-        # a result backend still GETs and SETs.
-        unused = CLAIM_ONLY_COMMANDS - ({"get", "set"} if result_backend else set())
+        # a result backend still GETs.
+        unused = CLAIM_ONLY_COMMANDS - ({"get"} if result_backend else set())
         names = [name for name in names if name not in unused]
     if delete_acked:
         names += [name for name, _ in DELETE_ACKED_COMMANDS]

@@ -18,7 +18,7 @@ format 1; existing keys keep their names, types and meaning::
         "native_claim": false,   # XREADGROUP ... CLAIM (Redis >= 8.4)
         "acked_trimming": false, # XADD/XTRIM ACKED, XACKDEL (Redis >= 8.2)
         "reclaim_path": "lua claim script",  # what this release uses here
-        "trimming": "MAXLEN (trims pending entries too)"
+        "trimming": "maxlen not sent (MAXLEN here trims unread and unacked entries)"
       },
       "library": {
         "name": "taskiq_atomic_claim_<version>",  # what this release loads
