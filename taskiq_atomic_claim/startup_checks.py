@@ -1,6 +1,7 @@
 """What a worker checks at startup, before it reads: the stream keys' types,
-that its user runs scripts, the server features its settings need, and the
-server settings that lose tasks (``durability``, warnings only)."""
+that the server is in the supported range and its user runs scripts, the
+server features its settings need, and the server settings that lose tasks
+(``durability``, warnings only)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.server_errors import UNREACHABLE, is_outage
+from taskiq_atomic_claim.server_errors import UNREACHABLE
 from taskiq_atomic_claim.stream_setup import require_stream_type
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -39,19 +40,10 @@ class StartupChecks:
         self.delete_acked = delete_acked
 
     async def run(self) -> None:
-        """Every check; where the broker waits out a server unreachable at
-        startup (Sentinel, Cluster), the listen loop does instead of the
-        worker's start failing."""
-        try:
-            await self.check_stream_types()
-            await self.require_scripting()
-        except Exception as error:
-            if not (self.connection.waits_out_startup and is_outage(error)):
-                raise
-            logger.warning(
-                "Stream keys and scripting not checked at start-up: %s", error
-            )
-            return await self.check_durability()
+        """Every check, in order; raises what it meets (an outage too: a
+        worker waits it out and runs them again, ``AtomicParts.startup``)."""
+        await self.check_stream_types()
+        await self.require_scripting()
         await self.check_server_features()
         await self.check_durability()
 
@@ -63,9 +55,13 @@ class StartupChecks:
 
     async def require_scripting(self) -> None:
         """Refuse, saying why, a server that runs no scripts for this
-        connection; else every ack would fail."""
+        connection (else every ack would fail), or one below the supported
+        range, naming the minimum."""
         async with self.connection.connect() as client:
             server = await self.connection.require_scripting(self.scripts, client)
+        # Below the range the scripts call commands the server lacks:
+        # refused here, not by every claim of a crash-looping worker.
+        server.require_supported()
         self.path.learned(server)
 
     async def check_server_features(self) -> None:
