@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from taskiq_atomic_claim.server_errors import classify
+from taskiq_atomic_claim.server_errors import Fault, classify
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -45,6 +45,8 @@ class Backoff:
         self.delay = self.first
         self.started: float | None = None
         self.attempts = 0
+        # What the outage under way is (its end line names it too).
+        self.fault: Fault | None = None
 
     @property
     def failing(self) -> bool:
@@ -61,8 +63,12 @@ class Backoff:
         self.attempts += 1
         if self.started is None:
             self.started = time.monotonic()
-            fault = classify(error)
-            reason = fault.value if fault.is_outage else f"{type(error).__name__}"
+            fault = self.fault = classify(error)
+            reason = (
+                fault.value
+                if fault.waited_out_while_running
+                else f"{type(error).__name__}"
+            )
             logger.warning(
                 "%s: %s, retrying with backoff (up to %.1f s apart)%s: %s",
                 self.what,
@@ -80,10 +86,17 @@ class Backoff:
     def succeeded(self) -> None:
         """An attempt worked: log the end of an outage, start over at ``first``."""
         if self.started is not None:
+            ended = (
+                "the ACL allows it again"
+                if self.fault is Fault.FORBIDDEN
+                else "Redis reachable again"
+            )
             logger.warning(
-                "%s: Redis reachable again after %.1f s (%d attempts failed)",
+                "%s: %s after %.1f s (%d attempts failed)",
                 self.what,
+                ended,
                 time.monotonic() - self.started,
                 self.attempts,
             )
         self.started, self.delay, self.attempts = None, self.first, 0
+        self.fault = None

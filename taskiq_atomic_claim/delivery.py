@@ -34,6 +34,8 @@ class Delivery:
     task: asyncio.Task[Any] | None = None
     # A start is recorded on the server and not yet acked or taken back.
     started: bool = False
+    # Its start was sent and refused (or lost): a crash would go uncounted.
+    start_lost: bool = False
     # Why the formatter could not parse it; its "ack" dead-letters it.
     unparsable: str | None = None
     # The task name this worker does not know; its "ack" declines it.

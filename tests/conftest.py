@@ -263,6 +263,8 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     # What they read is inspect's (test_inspect runs the matrix).
     "test_gauges": ("redis-8.6.3", "redis-7.0.15"),
     "test_serve": ("redis-7.0.15",),
+    "test_edges": ("redis-7.0.15",),
+    "test_operator_changes": ("redis-8.6.3", "redis-7.0.15"),
 }
 
 
