@@ -19,6 +19,13 @@ from taskiq_atomic_claim.server_errors import Fault, classify
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
+# The end line names what ended; an outage's is that Redis answers again.
+_ENDED: dict[Fault | None, str] = {
+    Fault.FORBIDDEN: "the ACL allows it again",
+    Fault.GROUP_MISSING: "the consumer group is back",
+    Fault.USAGE: "working again",
+}
+
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
 
@@ -64,11 +71,7 @@ class Backoff:
         if self.started is None:
             self.started = time.monotonic()
             fault = self.fault = classify(error)
-            reason = (
-                fault.value
-                if fault.waited_out_while_running
-                else f"{type(error).__name__}"
-            )
+            reason = fault.value if fault is not Fault.USAGE else type(error).__name__
             logger.warning(
                 "%s: %s, retrying with backoff (up to %.1f s apart)%s: %s",
                 self.what,
@@ -86,11 +89,7 @@ class Backoff:
     def succeeded(self) -> None:
         """An attempt worked: log the end of an outage, start over at ``first``."""
         if self.started is not None:
-            ended = (
-                "the ACL allows it again"
-                if self.fault is Fault.FORBIDDEN
-                else "Redis reachable again"
-            )
+            ended = _ENDED.get(self.fault, "Redis reachable again")
             logger.warning(
                 "%s: %s after %.1f s (%d attempts failed)",
                 self.what,

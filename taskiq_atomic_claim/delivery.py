@@ -40,6 +40,8 @@ class Delivery:
     unparsable: str | None = None
     # The task name this worker does not know; its "ack" declines it.
     unknown_task: str | None = None
+    # Pending for no consumer (its group destroyed): run here, not dropped.
+    orphaned: bool = False
     # Starts in workers that died running it, as the claim that took it saw.
     crashes: int = 0
 

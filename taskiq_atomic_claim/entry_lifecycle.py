@@ -574,21 +574,26 @@ class EntryLifecycle:
         stale = [d for d in self.deliveries() if not d.yielded and d.read_at < oldest]
         if not stale:
             return
-        await self.set_idle(client, self.settings.idle_timeout, stale)
-        for delivery in stale:
+        # No group has an orphan (see ``set_idle``) to hand it back to.
+        orphans = await self.set_idle(client, self.settings.idle_timeout, stale)
+        handed = [d for d in stale if d.entry_id not in orphans.get(d.stream, ())]
+        for delivery in handed:
             self.discard(delivery.stream, delivery.entry_id)
             self.metrics.add("handed_back", delivery.stream)
-        logger.warning(
-            "Handed back %d entries read %.0f s ago and not started yet (every"
-            " task slot busy): other workers can take them now",
-            len(stale),
-            older_than_s,
-        )
+        if handed:
+            logger.warning(
+                "Handed back %d entries read %.0f s ago and not started yet"
+                " (every task slot busy): other workers can take them now",
+                len(handed),
+                older_than_s,
+            )
 
     async def set_idle(
         self, client: ScriptClient, idle_ms: int, deliveries: list[Delivery]
-    ) -> None:
-        """Set the idle time of those still owned; forget those not owned."""
+    ) -> dict[str, set[str]]:
+        """Set the idle time of those still owned; forget those not owned,
+        but orphans (``_orphans``), which it returns per stream."""
+        orphans: dict[str, set[str]] = {}
         for stream, of_stream in _by_stream(deliveries):
             ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
@@ -605,8 +610,60 @@ class EntryLifecycle:
                 )
                 if idle_ms == 0:
                     self.metrics.add("heartbeats", stream)
-                for entry_id in lost:
-                    self.discard(stream, text(entry_id))
+                gone = [text(entry_id) for entry_id in lost]
+                kept = await self._orphans(client, stream, gone) if gone else set()
+                orphans.setdefault(stream, set()).update(kept)
+                for entry_id in gone:
+                    if entry_id not in kept:
+                        self.discard(stream, entry_id)
+        return orphans
+
+    async def _orphans(
+        self, client: ScriptClient, stream: str, lost: list[str]
+    ) -> set[str]:
+        """Of entries this consumer no longer owns, those it keeps: not yet
+        parsed by taskiq, pending for no consumer, still in the stream. Their
+        group was destroyed (and maybe re-created after them) or an operator
+        moved its position: dropped here, no one would ever run them. They
+        run here; their ack finds nothing pending. An entry another consumer
+        took, or deleted from the stream, is dropped as before."""
+        waiting = [
+            entry_id
+            for entry_id in lost
+            if (delivery := self._held.get((stream, entry_id))) is not None
+            and delivery.task is None
+        ]
+        if not waiting:
+            return set()
+        redis: Any = client  # a redis-py client: it pipelines
+        async with redis.pipeline(transaction=False) as pipe:
+            for entry_id in waiting:
+                pipe.xpending_range(stream, self.group, entry_id, entry_id, 1)
+                pipe.xrange(stream, entry_id, entry_id)
+            replies = await pipe.execute(raise_on_error=False)
+        kept = set()
+        for n, entry_id in enumerate(waiting):
+            pending, present = replies[2 * n], replies[2 * n + 1]
+            if isinstance(present, Exception) or not present:
+                continue
+            if isinstance(pending, Exception):
+                if classify(pending) is not Fault.GROUP_MISSING:
+                    raise pending
+                pending = []  # the group is gone: nobody owns it
+            if not pending:
+                kept.add(entry_id)
+        new = [i for i in kept if not self._held[(stream, i)].orphaned]
+        for entry_id in new:
+            self._held[(stream, entry_id)].orphaned = True
+        if new:
+            logger.warning(
+                "%d entries of stream %r read by consumer %r are pending for no"
+                " consumer now (their group destroyed or moved): they run here",
+                len(new),
+                stream,
+                self.consumer,
+            )
+        return kept
 
     async def hand_back(
         self, client: ScriptClient, held: list[Delivery], idle_ms: int

@@ -194,3 +194,41 @@ async def test_a_permission_missing_from_the_start_is_one_clear_error(
     message = str(refused.value)
     assert "'xreadgroup'" in message, message
     assert "taskiq-atomic-claim acl" in message
+
+
+async def test_a_destroyed_group_loses_no_task_still_in_the_stream(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    """An operator's XGROUP DESTROY under two busy workers and a producer:
+    every accepted task still runs (some may run twice: the new group cannot
+    know what the old one had delivered)."""
+    await redis.xgroup_create(QUEUE, SUITE_GROUP, id="0", mkstream=True)
+    runs = [f"run-{n}" for n in range(240)]
+    with workers_stopped_at_exit() as workers:
+        for name in ("worker-1", "worker-2"):
+            workers.append(
+                taskiq_worker(
+                    "tests.edges_app:broker",
+                    tmp_path / f"{name}.log",
+                    worker_env(server.admin_url, server.admin_url, name),
+                    # Few slots: each worker holds read entries not started.
+                    "--max-async-tasks",
+                    "4",
+                )
+            )
+        async with kicking(server.admin_url) as kicker:
+            for n, run in enumerate(runs):
+                if n == 120:
+                    await redis.xgroup_destroy(QUEUE, SUITE_GROUP)
+                await kicker.kiq(run, 0.1)
+                if n % 20 == 19:
+                    await asyncio.sleep(0.5)
+        noted = await wait_for(redis, set(runs), 40)
+        for worker in workers:
+            stop_gracefully(worker)
+    logs = "\n".join(
+        (tmp_path / f"{name}.log").read_text() for name in ("worker-1", "worker-2")
+    )
+    lost = sorted(set(runs) - set(noted))
+    assert not lost, logs
+    assert "Traceback" not in logs, logs
