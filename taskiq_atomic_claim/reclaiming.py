@@ -40,10 +40,9 @@ from taskiq_atomic_claim.server_calls import (
 )
 from taskiq_atomic_claim.server_errors import (
     Fault,
-    PermissionRefusedError,
     classify,
     is_outage,
-    missing_permission,
+    permission_refused,
     waited_out_while_running,
 )
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -208,10 +207,8 @@ class Listener:
         if fault is Fault.FORBIDDEN:
             if not self.worked:
                 # Missing from the start: the user's ACL needs fixing.
-                raise PermissionRefusedError(
-                    f"the server's ACL refuses consumer {self.consumer_name!r}:"
-                    f" {missing_permission(error)}; give its user the rule"
-                    " `taskiq-atomic-claim acl` prints"
+                raise permission_refused(
+                    error, f"consumer {self.consumer_name!r}"
                 ) from error
             # Revoked under a running worker (an operator changing the ACL):
             # wait for it to come back, as for an outage.

@@ -196,6 +196,14 @@ def login_problem(error: AuthenticationError, where: str, has_password: bool) ->
     return f"{where} refused the URL's username and password: {error}"
 
 
+def permission_refused(error: BaseException, who: str) -> PermissionRefusedError:
+    """The one-line error for a permission missing from the start."""
+    return PermissionRefusedError(
+        f"the server's ACL refuses {who}: {missing_permission(error)}; give its"
+        " user the rule `taskiq-atomic-claim acl` prints"
+    )
+
+
 def missing_permission(error: BaseException) -> str:
     """What a NOPERM reply refuses, as the server says it ("this user has
     no permissions to run the 'xack' command"), without script wrappings."""

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import logging
 
+from redis.exceptions import ResponseError
+
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.server_errors import UNREACHABLE
+from taskiq_atomic_claim.server_errors import (
+    UNREACHABLE,
+    Fault,
+    classify,
+    permission_refused,
+)
 from taskiq_atomic_claim.stream_setup import require_stream_type
+from taskiq_atomic_claim.task_records import ack_commands
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -44,6 +53,7 @@ class StartupChecks:
         worker waits it out and runs them again, ``AtomicParts.startup``)."""
         await self.check_stream_types()
         await self.require_scripting()
+        await self.require_ack_permissions()
         await self.check_server_features()
         await self.check_durability()
 
@@ -63,6 +73,24 @@ class StartupChecks:
         # refused here, not by every claim of a crash-looping worker.
         server.require_supported()
         self.path.learned(server)
+
+    async def require_ack_permissions(self) -> None:
+        """Refuse, naming the command, a user who may not ack: once the
+        worker runs, a refused ack is an operator's ACL change, waited out
+        with its entry held. Acks that match nothing (id 0-0, a field no
+        count has) change nothing."""
+        async with self.connection.connect() as client:
+            for stream in self.streams:
+                keys = StreamKeys(stream, self.group)
+                for command in ack_commands(
+                    stream, keys.started, self.group, ["0-0"], self.delete_acked
+                ):
+                    try:
+                        await client.execute_command(*command)
+                    except ResponseError as error:
+                        if classify(error) is not Fault.FORBIDDEN:
+                            raise
+                        raise permission_refused(error, "this worker") from None
 
     async def check_server_features(self) -> None:
         """Refuse, naming the server, what it cannot do."""

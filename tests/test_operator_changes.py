@@ -196,12 +196,13 @@ async def test_a_permission_missing_from_the_start_is_one_clear_error(
     assert "taskiq-atomic-claim acl" in message
 
 
+@pytest.mark.parametrize("operation", ["destroy", "delconsumer"])
 async def test_a_destroyed_group_loses_no_task_still_in_the_stream(
-    server: Server, redis: Redis, tmp_path: Path
+    server: Server, redis: Redis, tmp_path: Path, operation: str
 ) -> None:
-    """An operator's XGROUP DESTROY under two busy workers and a producer:
-    every accepted task still runs (some may run twice: the new group cannot
-    know what the old one had delivered)."""
+    """An operator's XGROUP DESTROY (or DELCONSUMER of a live worker) under
+    two busy workers and a producer: every accepted task still runs (some
+    may run twice: a new group cannot know what the old one delivered)."""
     await redis.xgroup_create(QUEUE, SUITE_GROUP, id="0", mkstream=True)
     runs = [f"run-{n}" for n in range(240)]
     with workers_stopped_at_exit() as workers:
@@ -218,8 +219,10 @@ async def test_a_destroyed_group_loses_no_task_still_in_the_stream(
             )
         async with kicking(server.admin_url) as kicker:
             for n, run in enumerate(runs):
-                if n == 120:
+                if n == 120 and operation == "destroy":
                     await redis.xgroup_destroy(QUEUE, SUITE_GROUP)
+                if n == 120 and operation == "delconsumer":
+                    await redis.xgroup_delconsumer(QUEUE, SUITE_GROUP, "worker-1")
                 await kicker.kiq(run, 0.1)
                 if n % 20 == 19:
                     await asyncio.sleep(0.5)
