@@ -14,6 +14,7 @@ import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from redis.exceptions import RedisClusterException
 from taskiq import AckableMessage, AsyncBroker, BrokerMessage
 from taskiq.abc.result_backend import AsyncResultBackend
 
@@ -29,6 +30,7 @@ from taskiq_atomic_claim.reads import GroupReads
 from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.reclaiming import Listener
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_errors import is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.startup_checks import StartupChecks
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
@@ -164,6 +166,8 @@ class AtomicParts:
             broker.approximate,
             settings,
         )
+        # Set by ``declare_groups``, the first startup step.
+        self.waits_out_startup = self.connection.waits_out_startup
         self.listener = Listener(
             connection=self.connection,
             scripts=self.scripts,
@@ -192,18 +196,38 @@ class AtomicParts:
     def listen(self, broker: AsyncBroker) -> AsyncGenerator[AckableMessage, None]:
         return self.listener.listen(broker)
 
-    async def declare_groups(self) -> None:
+    async def declare_groups(self, worker: bool) -> None:
         """Startup (the parent's ``_declare_consumer_group``): create the
-        groups where missing, never after accepted tasks no worker has seen."""
+        groups where missing, never after accepted tasks no worker has seen.
+        A ``worker`` (and any Sentinel or Cluster broker) whose server
+        cannot be reached does not fail: its listen loop waits the outage
+        out, then creates the groups and runs the checks (``startup``)."""
+        self.waits_out_startup = worker or self.connection.waits_out_startup
+        await self._start_up_step(self._declare_groups)
+
+    async def _declare_groups(self) -> None:
         async with self.connection.setup_client() as client:
-            await self.groups.declare(
-                client, wait_out_outages=self.connection.waits_out_startup
-            )
+            await self.groups.declare(client)
 
     async def startup(self, parent_startup: Callable[[], Awaitable[None]]) -> None:
-        """The parent's startup (it declares the groups), then the checks."""
+        """The parent's startup (it declares the groups), then the checks;
+        deferred to the listen loop while the server cannot be reached."""
         await parent_startup()
-        await self.checks.run()
+        await self._start_up_step(self.checks.run)
+
+    async def _start_up_step(self, step: Callable[[], Awaitable[None]]) -> None:
+        if self.listener.deferred_startup:
+            # The server was unreachable already: one line said so.
+            self.listener.deferred_startup.append(step)
+            return
+        try:
+            await self.connection.named_login_refusal(step())
+        except Exception as error:
+            # Unreachable, or a Cluster slot migrating ("TTL exhausted").
+            outage = is_outage(error) or isinstance(error, RedisClusterException)
+            if not (self.waits_out_startup and outage):
+                raise
+            self.listener.defer_startup(error, step)
 
     async def shutdown(self, parent_shutdown: Callable[[], Awaitable[None]]) -> None:
         """Hand back what no task runs; after the app's shutdown handlers
@@ -235,7 +259,7 @@ class AtomicBroker(AsyncBroker):
         return self.atomic.metrics
 
     async def _declare_consumer_group(self) -> None:
-        await self.atomic.declare_groups()
+        await self.atomic.declare_groups(self.is_worker_process)
 
     async def startup(self) -> None:
         await self.atomic.startup(super().startup)

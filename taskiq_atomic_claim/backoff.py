@@ -15,9 +15,16 @@ import asyncio
 import logging
 import time
 
-from taskiq_atomic_claim.server_errors import classify
+from taskiq_atomic_claim.server_errors import Fault, classify
 
 logger = logging.getLogger("taskiq.atomic_claim")
+
+# The end line names what ended; an outage's is that Redis answers again.
+_ENDED: dict[Fault | None, str] = {
+    Fault.FORBIDDEN: "the ACL allows it again",
+    Fault.GROUP_MISSING: "the consumer group is back",
+    Fault.USAGE: "working again",
+}
 
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
@@ -45,6 +52,8 @@ class Backoff:
         self.delay = self.first
         self.started: float | None = None
         self.attempts = 0
+        # What the outage under way is (its end line names it too).
+        self.fault: Fault | None = None
 
     @property
     def failing(self) -> bool:
@@ -61,8 +70,8 @@ class Backoff:
         self.attempts += 1
         if self.started is None:
             self.started = time.monotonic()
-            fault = classify(error)
-            reason = fault.value if fault.is_outage else f"{type(error).__name__}"
+            fault = self.fault = classify(error)
+            reason = fault.value if fault is not Fault.USAGE else type(error).__name__
             logger.warning(
                 "%s: %s, retrying with backoff (up to %.1f s apart)%s: %s",
                 self.what,
@@ -80,10 +89,13 @@ class Backoff:
     def succeeded(self) -> None:
         """An attempt worked: log the end of an outage, start over at ``first``."""
         if self.started is not None:
+            ended = _ENDED.get(self.fault, "Redis reachable again")
             logger.warning(
-                "%s: Redis reachable again after %.1f s (%d attempts failed)",
+                "%s: %s after %.1f s (%d attempts failed)",
                 self.what,
+                ended,
                 time.monotonic() - self.started,
                 self.attempts,
             )
         self.started, self.delay, self.attempts = None, self.first, 0
+        self.fault = None

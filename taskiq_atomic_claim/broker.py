@@ -154,6 +154,11 @@ class StandaloneConnection(Connection):
         # broker; its shutdown disconnects it).
         return contextlib.nullcontext(self.client)
 
+    def login(self) -> tuple[str, bool]:
+        kwargs = self.pool.connection_kwargs
+        where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+        return str(where), kwargs.get("password") is not None
+
     async def close(self) -> None:
         # Its calls reconnect what the parent closed: close it again.
         await self.pool.disconnect()

@@ -5,15 +5,24 @@ check before a call, which servers stand behind it."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.exceptions import AuthenticationError
 
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.server_errors import login_problem
 from taskiq_atomic_claim.server_info import ServerInfo
+
+T = TypeVar("T")
 
 # A client for one unit of work (a call, a heartbeat, an ack).
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+
+
+class LoginRefusedError(RuntimeError):
+    """The server refused the broker's login: no password, or a wrong one."""
 
 
 class Connection:
@@ -65,6 +74,21 @@ class Connection:
 
     async def before_call(self, client: Any) -> None:
         """What to check before a claim or a read (Sentinel: the master)."""
+
+    def login(self) -> tuple[str, bool]:
+        """Where the server is, for a refused login, and whether a password
+        is sent to it."""
+        return f"the server of queue {self.queue_name!r}", True
+
+    async def named_login_refusal(self, call: Awaitable[T]) -> T:
+        """``call``; a refused login (redis-py says only "HELLO must be
+        called ..." or NOAUTH) raised as ``LoginRefusedError``, one line
+        naming the problem."""
+        try:
+            return await call
+        except AuthenticationError as error:
+            where, has_password = self.login()
+            raise LoginRefusedError(login_problem(error, where, has_password)) from None
 
     async def close(self) -> None:
         """After the broker's shutdown: close what its calls reopened."""

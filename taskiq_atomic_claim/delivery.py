@@ -34,10 +34,14 @@ class Delivery:
     task: asyncio.Task[Any] | None = None
     # A start is recorded on the server and not yet acked or taken back.
     started: bool = False
+    # Its start was sent and refused (or lost): a crash would go uncounted.
+    start_lost: bool = False
     # Why the formatter could not parse it; its "ack" dead-letters it.
     unparsable: str | None = None
     # The task name this worker does not know; its "ack" declines it.
     unknown_task: str | None = None
+    # Pending for no consumer (its group destroyed): run here, not dropped.
+    orphaned: bool = False
     # Starts in workers that died running it, as the claim that took it saw.
     crashes: int = 0
 

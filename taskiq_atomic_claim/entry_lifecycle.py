@@ -71,10 +71,10 @@ from taskiq_atomic_claim.server_calls import (
     drop_idle_connections,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.suspects import SuspectsRunAlone
-from taskiq_atomic_claim.task_records import ack, record_starts
+from taskiq_atomic_claim.task_records import ack, forget_command, record_starts
 from taskiq_atomic_claim.unknown_tasks import call_decline
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -131,6 +131,16 @@ class EntryLifecycle:
         self._start_flush: asyncio.Task[None] | None = None
         self._keys: dict[str, StreamKeys] = {}
         self.pipelined: PipelinedCalls | None = None
+        # Starts not recorded since (once per outage, not once per start).
+        self._starts_lost_since: float | None = None
+        self._starts_lost = 0
+        # Acks refused by the ACL: waited out, one line each way.
+        self.refused_acks = Backoff(
+            f"acks of consumer {consumer}",
+            cap=1.0,
+            consequence="finished tasks keep their entries, heartbeated, until"
+            " the ack is allowed",
+        )
         # Shared by every ack: one outage, one log line, however many acks.
         self.ack_backoff = Backoff(
             f"acks of consumer {consumer}",
@@ -273,13 +283,13 @@ class EntryLifecycle:
             self.keys(delivery.stream).started,
             self.started_ttl,
             delivery.entry_id,
-            functools.partial(_start_not_recorded, delivery),
+            functools.partial(self.start_not_recorded, delivery),
         )
         if written is not None:  # else in the kernel already
             try:
                 await written
             except Exception as error:
-                _start_not_recorded(delivery, error)
+                self.start_not_recorded(delivery, error)
                 return
         delivery.started = True
 
@@ -293,7 +303,7 @@ class EntryLifecycle:
         try:
             await waiter
         except Exception as error:
-            _start_not_recorded(delivery, error)
+            self.start_not_recorded(delivery, error)
 
     async def _flush_starts(self, connect: Connect) -> None:
         # Let the callbacks scheduled beside this one reach their start too.
@@ -336,6 +346,41 @@ class EntryLifecycle:
                 if not waiter.done():
                     waiter.set_result(None)
 
+    def start_not_recorded(
+        self, delivery: Delivery, error: BaseException | None
+    ) -> None:
+        """The task runs anyway: a start not counted only makes a crash go
+        uncounted, never dead-letters anything that did not crash. Said once
+        until a start is known recorded again, not once per start."""
+        delivery.start_lost = True
+        if self._starts_lost_since is None:
+            self._starts_lost_since = time.monotonic()
+            logger.warning(
+                "Could not record the start of entry %s of stream %r, nor of"
+                " tasks starting after it until a line says starts are recorded"
+                " again (a crash running them will not count toward"
+                " max_deliveries): %s",
+                delivery.entry_id,
+                delivery.stream,
+                error,
+            )
+        self._starts_lost += 1
+
+    def _starts_recorded_again(self, stream: str, entry_id: str) -> None:
+        """An entry acked: if it was read after starts began to fail and
+        its start was recorded, starts work again."""
+        delivery = self._held.get((stream, entry_id))
+        since = self._starts_lost_since
+        if since is None or delivery is None or delivery.read_at <= since:
+            return
+        if delivery.started and not delivery.start_lost:
+            logger.warning(
+                "Starts recorded again after %.1f s (%d not recorded)",
+                time.monotonic() - since,
+                self._starts_lost,
+            )
+            self._starts_lost_since, self._starts_lost = None, 0
+
     # Started -> acked (or, in place of the ack, declined or dead-lettered).
 
     @property
@@ -356,16 +401,28 @@ class EntryLifecycle:
             # "Task exception was never retrieved" traceback per ack, and the
             # outage's one log line already said what happens.
             give_up = time.monotonic() + self.ack_patience
+            refused = False
             try:
                 while True:
                     try:
                         await self._ack_once(stream, entry_id)
                     except Exception as error:
-                        if not is_outage(error):
+                        fault = classify(error)
+                        if fault is Fault.FORBIDDEN:
+                            # An operator took the ack's permission away:
+                            # wait for it, however long, the entry held and
+                            # heartbeated. Reclaimed, a finished task would
+                            # run again, and its start count as a crash.
+                            if not refused:
+                                refused = True
+                                await self._forget_start(stream, entry_id)
+                            await asyncio.sleep(self.refused_acks.failed(error))
+                            continue
+                        if not fault.is_outage:
                             raise
                         await drop_idle_connections(self.connect, error)
                         delay = self.ack_backoff.failed(error)
-                        if classify(error) is Fault.MIGRATING:
+                        if fault is Fault.MIGRATING:
                             # Nothing takes the entry meanwhile: it is still
                             # heartbeated, and a claim needs the ack's keys
                             # and more on one node. Wait the move out.
@@ -378,11 +435,28 @@ class EntryLifecycle:
                         await asyncio.sleep(min(delay, remaining))
                     else:
                         self.ack_backoff.succeeded()
+                        self.refused_acks.succeeded()
+                        self._starts_recorded_again(stream, entry_id)
                         return
             finally:
                 self.discard(stream, entry_id)
 
         return ack_and_forget
+
+    async def _forget_start(self, stream: str, entry_id: str) -> None:
+        """The task of an entry whose ack is refused has finished: its start
+        must not count as a crash if this worker dies before the ack is
+        allowed again. Best effort: the same ACL change may refuse it."""
+        try:
+            async with self.connect() as client:
+                await within(
+                    REPLY_MARGIN_S,
+                    client.execute_command(
+                        *forget_command(self.keys(stream).started, [entry_id])
+                    ),
+                )
+        except Exception as error:
+            logger.debug("Start count of %s not forgotten: %s", entry_id, error)
 
     async def _ack_once(self, stream: str, entry_id: str) -> None:
         """XACK and forget the entry's start count in one round trip; an
@@ -500,21 +574,26 @@ class EntryLifecycle:
         stale = [d for d in self.deliveries() if not d.yielded and d.read_at < oldest]
         if not stale:
             return
-        await self.set_idle(client, self.settings.idle_timeout, stale)
-        for delivery in stale:
+        # No group has an orphan (see ``set_idle``) to hand it back to.
+        orphans = await self.set_idle(client, self.settings.idle_timeout, stale)
+        handed = [d for d in stale if d.entry_id not in orphans.get(d.stream, ())]
+        for delivery in handed:
             self.discard(delivery.stream, delivery.entry_id)
             self.metrics.add("handed_back", delivery.stream)
-        logger.warning(
-            "Handed back %d entries read %.0f s ago and not started yet (every"
-            " task slot busy): other workers can take them now",
-            len(stale),
-            older_than_s,
-        )
+        if handed:
+            logger.warning(
+                "Handed back %d entries read %.0f s ago and not started yet"
+                " (every task slot busy): other workers can take them now",
+                len(handed),
+                older_than_s,
+            )
 
     async def set_idle(
         self, client: ScriptClient, idle_ms: int, deliveries: list[Delivery]
-    ) -> None:
-        """Set the idle time of those still owned; forget those not owned."""
+    ) -> dict[str, set[str]]:
+        """Set the idle time of those still owned; forget those not owned,
+        but orphans (``_orphans``), which it returns per stream."""
+        orphans: dict[str, set[str]] = {}
         for stream, of_stream in _by_stream(deliveries):
             ids = [d.entry_id for d in of_stream]
             for start in range(0, len(ids), SCRIPT_BATCH):
@@ -531,8 +610,60 @@ class EntryLifecycle:
                 )
                 if idle_ms == 0:
                     self.metrics.add("heartbeats", stream)
-                for entry_id in lost:
-                    self.discard(stream, text(entry_id))
+                gone = [text(entry_id) for entry_id in lost]
+                kept = await self._orphans(client, stream, gone) if gone else set()
+                orphans.setdefault(stream, set()).update(kept)
+                for entry_id in gone:
+                    if entry_id not in kept:
+                        self.discard(stream, entry_id)
+        return orphans
+
+    async def _orphans(
+        self, client: ScriptClient, stream: str, lost: list[str]
+    ) -> set[str]:
+        """Of entries this consumer no longer owns, those it keeps: not yet
+        parsed by taskiq, pending for no consumer, still in the stream. Their
+        group was destroyed (and maybe re-created after them) or an operator
+        moved its position: dropped here, no one would ever run them. They
+        run here; their ack finds nothing pending. An entry another consumer
+        took, or deleted from the stream, is dropped as before."""
+        waiting = [
+            entry_id
+            for entry_id in lost
+            if (delivery := self._held.get((stream, entry_id))) is not None
+            and delivery.task is None
+        ]
+        if not waiting:
+            return set()
+        redis: Any = client  # a redis-py client: it pipelines
+        async with redis.pipeline(transaction=False) as pipe:
+            for entry_id in waiting:
+                pipe.xpending_range(stream, self.group, entry_id, entry_id, 1)
+                pipe.xrange(stream, entry_id, entry_id)
+            replies = await pipe.execute(raise_on_error=False)
+        kept = set()
+        for n, entry_id in enumerate(waiting):
+            pending, present = replies[2 * n], replies[2 * n + 1]
+            if isinstance(present, Exception) or not present:
+                continue
+            if isinstance(pending, Exception):
+                if classify(pending) is not Fault.GROUP_MISSING:
+                    raise pending
+                pending = []  # the group is gone: nobody owns it
+            if not pending:
+                kept.add(entry_id)
+        new = [i for i in kept if not self._held[(stream, i)].orphaned]
+        for entry_id in new:
+            self._held[(stream, entry_id)].orphaned = True
+        if new:
+            logger.warning(
+                "%d entries of stream %r read by consumer %r are pending for no"
+                " consumer now (their group destroyed or moved): they run here",
+                len(new),
+                stream,
+                self.consumer,
+            )
+        return kept
 
     async def hand_back(
         self, client: ScriptClient, held: list[Delivery], idle_ms: int
@@ -583,18 +714,6 @@ async def _contained(what: str, step: Awaitable[None]) -> None:
             what,
             error,
         )
-
-
-def _start_not_recorded(delivery: Delivery, error: BaseException | None) -> None:
-    # The task runs anyway: a start not counted only makes a crash go
-    # uncounted, never dead-letters anything that did not crash.
-    logger.warning(
-        "Could not record the start of entry %s of stream %r (a crash"
-        " running it will not count toward max_deliveries): %s",
-        delivery.entry_id,
-        delivery.stream,
-        error,
-    )
 
 
 def _by_stream(deliveries: list[Delivery]) -> Iterator[tuple[str, list[Delivery]]]:

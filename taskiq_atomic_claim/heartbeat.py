@@ -94,7 +94,8 @@ class Heartbeat:
                 await drop_idle_connections(self.connect, error)
                 delay = outage.failed(error)
             else:
-                outage.succeeded()
+                if len(self.in_flight):  # else the beat called nothing
+                    outage.succeeded()
                 delay = beat
 
     @property

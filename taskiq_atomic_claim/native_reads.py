@@ -25,7 +25,7 @@ from taskiq_atomic_claim.reads import GroupReads
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
-from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_errors import waited_out_while_running
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -133,7 +133,7 @@ class NativePathReads:
         except Exception as error:
             # Refused (e.g. OOM refuses scripts, not reads) or unreachable:
             # the reads go on, or report it themselves.
-            if not is_outage(error):
+            if not waited_out_while_running(error):
                 raise
             logger.debug("Sweep for trimmed entries failed: %s", error)
             self._next_sweep = time.monotonic()

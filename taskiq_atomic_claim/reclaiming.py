@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from taskiq import AckableMessage, AsyncBroker
@@ -38,7 +38,13 @@ from taskiq_atomic_claim.server_calls import (
     raise_if_cancel_was_swallowed,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_errors import (
+    Fault,
+    classify,
+    is_outage,
+    permission_refused,
+    waited_out_while_running,
+)
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
 
@@ -82,6 +88,29 @@ class Listener:
         self.groups = groups
         self.heartbeat = heartbeat
         self.read_from = read_from
+        # One outage log for the consumer: from a startup that found the
+        # server unreachable to the listen loop's calls.
+        self.outage = Backoff(f"consumer {consumer}")
+        # A call of listen() worked: a permission refused from now on was
+        # revoked under it (waited out), not missing from the start.
+        self.worked = False
+        # Startup steps an outage deferred (groups, checks), run in order
+        # before the first read.
+        self.deferred_startup: list[Callable[[], Awaitable[None]]] = []
+
+    def defer_startup(
+        self, error: BaseException, step: Callable[[], Awaitable[None]]
+    ) -> None:
+        """The server could not be reached at startup: ``step`` runs in
+        listen() once it can (one line now, one when it answers)."""
+        self.outage.failed(error)
+        self.deferred_startup.append(step)
+
+    async def _finish_startup(self) -> None:
+        """The startup steps an outage deferred, in order."""
+        while self.deferred_startup:
+            await self.connection.named_login_refusal(self.deferred_startup[0]())
+            del self.deferred_startup[0]
 
     async def listen(self, broker: AsyncBroker) -> AsyncGenerator[AckableMessage, None]:
         """Yield new messages and reclaimed ones: reclaimed by the reads
@@ -92,7 +121,6 @@ class Listener:
         # After a full claim batch, read new messages before claiming again:
         # they keep flowing while a backlog drains.
         read_turn = False
-        outage = Backoff(f"consumer {self.consumer_name}")
         recreate_group = False  # before the next call
         group_gone = False  # NOGROUP since the last call that worked
         # Under OOM claims are refused while reads work: such an outage
@@ -104,6 +132,7 @@ class Listener:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
                 try:
+                    await self._finish_startup()
                     self.claims.raise_deferred_error()
                     if recreate_group:
                         await self.groups.recreate(client)
@@ -125,14 +154,14 @@ class Listener:
                         reads = self.native_reads if reads_reclaim else self.lua_reads
                         batch = await reads.step(client, self.read_from)
                 except Exception as error:
-                    refused = classify(error) is Fault.REFUSING
+                    # Refused for now (OOM) or by the ACL (-fcall): claims.
+                    refused = classify(error) in (Fault.REFUSING, Fault.FORBIDDEN)
                     claim_refused = claim_refused or (claiming and refused)
                     claiming = False
-                    if await self._wait_out(client, error, outage, group_gone):
+                    if await self._wait_out(client, error, self.outage, group_gone):
                         group_gone = recreate_group = True
                     continue
-                if not claim_refused:
-                    outage.succeeded()
+                self._worked(claim_refused)
                 group_gone = False
                 for stream, entry_id, _ in batch:
                     self.in_flight.add(stream, [entry_id])
@@ -146,12 +175,12 @@ class Listener:
                             client, stream, entry_id
                         )
                     except Exception as error:
-                        if not is_outage(error):
+                        if not waited_out_while_running(error):
                             raise
                         # Dead-lettering failed: left pending and unheartbeated,
                         # it is reclaimed and tried again.
                         self.in_flight.discard(stream, entry_id)
-                        await outage.wait(error)
+                        await self.outage.wait(error)
 
     async def _wait_out(
         self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool
@@ -175,6 +204,16 @@ class Listener:
                     error,
                 )
             return True
+        if fault is Fault.FORBIDDEN:
+            if not self.worked:
+                # Missing from the start: the user's ACL needs fixing.
+                raise permission_refused(
+                    error, f"consumer {self.consumer_name!r}"
+                ) from error
+            # Revoked under a running worker (an operator changing the ACL):
+            # wait for it to come back, as for an outage.
+            await outage.wait(error)
+            return False
         if not fault.is_outage:
             # Refused as a usage error: maybe by another server version
             # (XREADGROUP ... CLAIM on a server restarted on an older binary).
@@ -196,6 +235,13 @@ class Listener:
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
         return False
+
+    def _worked(self, claim_refused: bool) -> None:
+        """A call of listen() worked; under OOM (claims refused, reads
+        working) the outage lasts until a claim works again."""
+        self.worked = True
+        if not claim_refused:
+            self.outage.succeeded()
 
     def _mark_delivered(self, fetched: Any) -> None:
         for stream, entry_id, _, _ in read_entries(fetched):

@@ -28,6 +28,7 @@ import re
 from enum import Enum
 
 from redis.exceptions import (
+    AuthenticationError,
     ClusterError,
     RedisClusterException,
     ResponseError,
@@ -40,6 +41,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # reset, timed out (LOADING is a ConnectionError subclass in redis-py too).
 # For ``except`` clauses; ``classify`` calls these UNREACHABLE.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class PermissionRefusedError(RuntimeError):
+    """The server's ACL refuses a worker a command it needs from the start."""
 
 
 class Fault(Enum):
@@ -57,8 +62,16 @@ class Fault(Enum):
     # keys on both nodes are refused, single-key ones redirected, until the
     # slot has moved. Unlike REFUSING, reads of the slot's stream still work.
     MIGRATING = "hash slot migrating between primaries"
-    # NOGROUP: the stream or its consumer group is gone.
+    # NOGROUP: the stream or its consumer group is gone (also UNBLOCKED
+    # for a read blocked on a stream that was deleted).
     GROUP_MISSING = "consumer group missing"
+    # NOPERM: the ACL refuses this user a command or a key. At startup a
+    # usage error; while running, an operator changing the ACL, waited out
+    # (``waited_out_while_running``) rather than failing tasks or listen().
+    FORBIDDEN = "permission refused by the server's ACL"
+    # The server refused the login: no password where one is needed, or a
+    # wrong one. Retrying cannot help.
+    LOGIN_REFUSED = "login refused"
     # Anything else: retrying cannot help; raise.
     USAGE = "usage error"
 
@@ -71,6 +84,12 @@ class Fault(Enum):
             Fault.REFUSING,
             Fault.MIGRATING,
         )
+
+    @property
+    def waited_out_while_running(self) -> bool:
+        """Whether a running worker waits it out: an outage, or a permission
+        revoked under it (refused at startup, see ``is_outage``)."""
+        return self.is_outage or self is Fault.FORBIDDEN
 
 
 # Error reply codes (first word) that retrying can get past; any other
@@ -94,6 +113,7 @@ _CODE_FAULTS = {
     # Reaches a loop only when loading the script and calling it again
     # failed too: a failover or a flush racing the reload. Try again later.
     "NOSCRIPT": Fault.REFUSING,
+    "NOPERM": Fault.FORBIDDEN,
 }
 # Redis 6.2: "ERR Error running script (call to f_...): @user_script:1:
 # @user_script: 1: -OOM command not allowed ..." (a refused command) or
@@ -132,10 +152,16 @@ def classify(error: BaseException) -> Fault:
     """What ``error`` means: an outage, a missing group, or a usage error."""
     # asyncio.TimeoutError: a reply that never came within our own bound
     # (an OSError itself from Python 3.11 on).
+    if isinstance(error, AuthenticationError):
+        # A ConnectionError to redis-py, but no outage: it never passes.
+        return Fault.LOGIN_REFUSED
     if isinstance(error, (*UNREACHABLE, asyncio.TimeoutError)):
         return Fault.UNREACHABLE
     if isinstance(error, ResponseError):
         code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
+        if code == "UNBLOCKED" and "no longer exists" in _message(error):
+            # A read blocked on a stream someone deleted, not a demotion.
+            return Fault.GROUP_MISSING
         return _CODE_FAULTS.get(code, Fault.USAGE)
     if isinstance(error, ClusterError):
         # redis-py's "TTL exhausted.": redirected or told TRYAGAIN 16 times.
@@ -150,6 +176,39 @@ def classify(error: BaseException) -> Fault:
 def is_outage(error: BaseException) -> bool:
     """Whether ``error`` is waited out and retried rather than raised."""
     return classify(error).is_outage
+
+
+def waited_out_while_running(error: BaseException) -> bool:
+    """Whether a running worker waits ``error`` out (an outage, or a
+    permission an operator revoked) rather than raising it."""
+    return classify(error).waited_out_while_running
+
+
+def login_problem(error: AuthenticationError, where: str, has_password: bool) -> str:
+    """One line for a refused login, not the server's text about HELLO or
+    NOAUTH: ``where`` is host:port, ``has_password`` whether the client
+    sent one."""
+    if not has_password:
+        return (
+            f"{where} requires a password, and the URL has none: give it as"
+            " redis://USER:PASSWORD@HOST:PORT"
+        )
+    return f"{where} refused the URL's username and password: {error}"
+
+
+def permission_refused(error: BaseException, who: str) -> PermissionRefusedError:
+    """The one-line error for a permission missing from the start."""
+    return PermissionRefusedError(
+        f"the server's ACL refuses {who}: {missing_permission(error)}; give its"
+        " user the rule `taskiq-atomic-claim acl` prints"
+    )
+
+
+def missing_permission(error: BaseException) -> str:
+    """What a NOPERM reply refuses, as the server says it ("this user has
+    no permissions to run the 'xack' command"), without script wrappings."""
+    text = str(error).strip()
+    return text.rsplit("NOPERM", 1)[-1].strip(" :-") or text
 
 
 # redis-py's own messages for a connection that failed before the command

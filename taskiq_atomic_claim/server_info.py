@@ -28,12 +28,21 @@ _NUMERIC = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 _PROBE_SHA = hashlib.sha1(b"-- taskiq-atomic-claim probe", usedforsecurity=False)
 PROBE_FUNCTION = "taskiq_atomic_claim_probe_never_loaded"
 
+# The oldest release of each product this package runs on (the README's
+# supported range): older ones lack commands the scripts call (Redis 5 has
+# no XAUTOCLAIM), and every worker would fail on its first claim.
+MINIMUM_VERSIONS = {"Redis": (6, 2), "Valkey": (8, 1)}
+
 LUA_CLAIM = "lua claim script"
 NATIVE_CLAIM = "native XREADGROUP CLAIM"
 
 
 class ScriptingUnavailableError(RuntimeError):
     """The server runs no scripts for this connection, and nothing else serves."""
+
+
+class UnsupportedServerError(RuntimeError):
+    """The server is older than the oldest release this package supports."""
 
 
 class AckedDeletionUnavailableError(RuntimeError):
@@ -122,6 +131,30 @@ class ServerInfo:
         if self.acked_trimming:
             return "MAXLEN ACKED (trims only entries every group acked)"
         return "maxlen not sent (MAXLEN here trims unread and unacked entries)"
+
+    def unsupported(
+        self, minimums: dict[str, tuple[int, int]] = MINIMUM_VERSIONS
+    ) -> str:
+        """Why this server is below the supported range, naming the
+        minimum; empty when it is not (or its version cannot be read)."""
+        found, minimum = self.version_tuple, minimums.get(self.product)
+        if found is None or minimum is None or found[:2] >= minimum:
+            return ""
+        supported = " or ".join(
+            f"{product} >= {'.'.join(map(str, version))}"
+            for product, version in minimums.items()
+        )
+        return (
+            f"{self.name} is below the supported range: this package needs {supported}"
+        )
+
+    def require_supported(self, where: str = "") -> None:
+        """Raise ``UnsupportedServerError``, naming the minimum, for a
+        server below the supported range; ``where`` names it among several."""
+        problem = self.unsupported()
+        if problem:
+            at = f" ({where})" if where else ""
+            raise UnsupportedServerError(f"{problem}{at}")
 
     def require_scripting(self, where: str = "") -> None:
         """Raise, saying why, when this server runs no scripts for us;

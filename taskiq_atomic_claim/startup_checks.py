@@ -1,18 +1,28 @@
 """What a worker checks at startup, before it reads: the stream keys' types,
-that its user runs scripts, the server features its settings need, and the
-server settings that lose tasks (``durability``, warnings only)."""
+that the server is in the supported range and its user runs scripts, the
+server features its settings need, and the server settings that lose tasks
+(``durability``, warnings only)."""
 
 from __future__ import annotations
 
 import logging
 
+from redis.exceptions import ResponseError
+
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.durability import warn_about_durability
 from taskiq_atomic_claim.group_recovery import GroupPositions
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.reclaim_path import PathChoice
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.server_errors import UNREACHABLE, is_outage
+from taskiq_atomic_claim.server_errors import (
+    UNREACHABLE,
+    Fault,
+    classify,
+    permission_refused,
+)
 from taskiq_atomic_claim.stream_setup import require_stream_type
+from taskiq_atomic_claim.task_records import ack_commands
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -39,19 +49,11 @@ class StartupChecks:
         self.delete_acked = delete_acked
 
     async def run(self) -> None:
-        """Every check; where the broker waits out a server unreachable at
-        startup (Sentinel, Cluster), the listen loop does instead of the
-        worker's start failing."""
-        try:
-            await self.check_stream_types()
-            await self.require_scripting()
-        except Exception as error:
-            if not (self.connection.waits_out_startup and is_outage(error)):
-                raise
-            logger.warning(
-                "Stream keys and scripting not checked at start-up: %s", error
-            )
-            return await self.check_durability()
+        """Every check, in order; raises what it meets (an outage too: a
+        worker waits it out and runs them again, ``AtomicParts.startup``)."""
+        await self.check_stream_types()
+        await self.require_scripting()
+        await self.require_ack_permissions()
         await self.check_server_features()
         await self.check_durability()
 
@@ -63,10 +65,32 @@ class StartupChecks:
 
     async def require_scripting(self) -> None:
         """Refuse, saying why, a server that runs no scripts for this
-        connection; else every ack would fail."""
+        connection (else every ack would fail), or one below the supported
+        range, naming the minimum."""
         async with self.connection.connect() as client:
             server = await self.connection.require_scripting(self.scripts, client)
+        # Below the range the scripts call commands the server lacks:
+        # refused here, not by every claim of a crash-looping worker.
+        server.require_supported()
         self.path.learned(server)
+
+    async def require_ack_permissions(self) -> None:
+        """Refuse, naming the command, a user who may not ack: once the
+        worker runs, a refused ack is an operator's ACL change, waited out
+        with its entry held. Acks that match nothing (id 0-0, a field no
+        count has) change nothing."""
+        async with self.connection.connect() as client:
+            for stream in self.streams:
+                keys = StreamKeys(stream, self.group)
+                for command in ack_commands(
+                    stream, keys.started, self.group, ["0-0"], self.delete_acked
+                ):
+                    try:
+                        await client.execute_command(*command)
+                    except ResponseError as error:
+                        if classify(error) is not Fault.FORBIDDEN:
+                            raise
+                        raise permission_refused(error, "this worker") from None
 
     async def check_server_features(self) -> None:
         """Refuse, naming the server, what it cannot do."""

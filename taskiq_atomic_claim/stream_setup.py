@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from redis.exceptions import RedisClusterException, ResponseError
+from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.group_recovery import (
     GroupPositions,
@@ -16,7 +16,7 @@ from taskiq_atomic_claim.group_recovery import (
     recreate_group,
 )
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_errors import is_outage, stream_missing
+from taskiq_atomic_claim.server_errors import stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -53,27 +53,14 @@ class ConsumerGroups:
         self.mkstream = mkstream
         self.positions = positions
 
-    async def declare(self, client: Any, *, wait_out_outages: bool = False) -> None:
+    async def declare(self, client: Any) -> None:
         """Startup: create each stream's group where missing, as the parent
         does, but never after accepted tasks no worker has seen
         (``first_position``). A refusal that retrying cannot heal (NOPERM,
-        ...) fails the start (``GroupCreationError``); with
-        ``wait_out_outages`` a server that cannot be reached does not (the
-        listen loop waits it out and creates a group it finds missing)."""
+        ...) raises ``GroupCreationError``; an outage raises as it came
+        (a worker waits it out: ``AtomicParts.startup``)."""
         for stream in self.streams:
-            try:
-                await self._declare(client, stream)
-            except Exception as error:
-                # Unreachable, or a Cluster slot migrating ("TTL exhausted").
-                outage = is_outage(error) or isinstance(error, RedisClusterException)
-                if not (wait_out_outages and outage):
-                    raise
-                logger.warning(
-                    "Consumer group %r on stream %r not created yet: %s",
-                    self.group,
-                    stream,
-                    error,
-                )
+            await self._declare(client, stream)
 
     async def _declare(self, client: Any, stream: str) -> None:
         # A key of another type is named as such, not as a refused group.

@@ -270,6 +270,8 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     # The claim's two steps exist on the Lua path only (test_claim_stall
     # runs the matrix).
     "test_claim_stall_worker": ("redis-7.0.15", "valkey-9.1.2"),
+    "test_edges": ("redis-7.0.15",),
+    "test_operator_changes": ("redis-8.6.3", "redis-7.0.15"),
 }
 
 

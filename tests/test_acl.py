@@ -36,6 +36,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
+from taskiq_atomic_claim.server_errors import PermissionRefusedError
 from taskiq_atomic_claim.server_info import ScriptingUnavailableError
 from tests.conftest import (
     DRILL_HARNESS,
@@ -117,12 +118,14 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
     )
     listener = broker.listen()
     try:
-        # Without +fcall/+evalsha or +xgroup|create the broker refuses at
-        # startup (its probe is what ACL LOG shows refused).
+        # Without +fcall/+evalsha, +xgroup|create, +xack or +hdel the broker
+        # refuses at startup (its probe is what ACL LOG shows refused); a
+        # command first refused by listen() ends it (PermissionRefusedError).
         refusals = (
             RedisError,
             ScriptingUnavailableError,
             GroupCreationError,
+            PermissionRefusedError,
             asyncio.TimeoutError,
         )
         with contextlib.suppress(*refusals):
@@ -443,7 +446,8 @@ async def delete_acked_worker(url: str, redis: Redis) -> None:
     await redis.xadd(QUEUE, {"written-by": "someone else"})
     listener = broker.listen()
     try:
-        with contextlib.suppress(RedisError):
+        # Without +xackdel the startup refuses (its probe is in ACL LOG).
+        with contextlib.suppress(RedisError, PermissionRefusedError):
             await broker.startup()
             await broker.kick(message("new"))
             received = await asyncio.wait_for(listener.__anext__(), 5)

@@ -3,6 +3,7 @@ checked on the errors real servers send (through redis-py's own parser)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -18,9 +19,12 @@ from taskiq_atomic_claim.server_errors import (
     group_exists,
     is_missing_key,
     is_missing_script,
+    is_outage,
     is_permission_denied,
+    missing_permission,
     reply_code,
     stream_missing,
+    waited_out_while_running,
 )
 from tests.conftest import Server, server_command
 
@@ -85,7 +89,12 @@ async def test_each_error_reply_is_told_by_its_code(
     assert reply_code(denied) == "NOPERM"
     assert is_permission_denied(denied)
     assert not is_permission_denied(no_group)
-    assert classify(denied) is Fault.USAGE
+    # Refused at startup, waited out by a running worker (an ACL change).
+    assert classify(denied) is Fault.FORBIDDEN
+    assert not is_outage(denied)
+    assert waited_out_while_running(denied)
+    assert not waited_out_while_running(no_group)
+    assert "no permissions to run the 'config" in missing_permission(denied)
 
 
 async def test_a_server_that_cannot_be_reached_is_an_outage() -> None:
@@ -97,3 +106,27 @@ async def test_a_server_that_cannot_be_reached_is_an_outage() -> None:
     finally:
         await client.aclose()
     assert classify(caught.value) is Fault.UNREACHABLE
+
+
+async def test_a_read_blocked_on_a_deleted_stream_means_the_group_is_gone(
+    redis: Redis, server: Server
+) -> None:
+    # Redis >= 7 answers UNBLOCKED, as it does to a demoted primary's readers:
+    # only the text tells a deleted stream from a failover.
+    await server_command(redis, "XGROUP", "CREATE", STREAM, GROUP, "0", "MKSTREAM")
+    reader = Redis.from_url(server.admin_url)
+    try:
+        blocked = ("XREADGROUP", "GROUP", GROUP, "c", "BLOCK", "2000")
+        read = asyncio.ensure_future(
+            server_command(reader, *blocked, "STREAMS", STREAM, ">")
+        )
+        await asyncio.sleep(0.3)
+        await redis.delete(STREAM)
+        try:
+            reply = await read
+        except ResponseError as error:
+            assert classify(error) is Fault.GROUP_MISSING, error
+        else:
+            assert server.major < 7, reply  # 6.2 keeps the read blocked
+    finally:
+        await reader.aclose()

@@ -65,6 +65,21 @@ async def test_scripting_runs_on_every_suite_server(redis: Redis) -> None:
     assert info.scripting is True, info.scripting_problem
 
 
+async def test_each_server_passes_the_minimum_and_a_raised_one_refuses_it(
+    redis: Redis,
+) -> None:
+    # The rule on each real server's own INFO: in range today; refused, the
+    # minimum named, were the minimum one minor release above it.
+    info = ServerInfo.from_info(await redis.info("server"))
+    assert info.unsupported() == ""
+    found = info.version_tuple
+    assert found is not None
+    raised = {info.product: (found[0], found[1] + 1)}
+    problem = info.unsupported(raised)
+    assert problem.startswith(f"{info.name} is below the supported range")
+    assert f"{info.product} >= {found[0]}.{found[1] + 1}" in problem
+
+
 def test_unreadable_version_has_no_capabilities() -> None:
     info = ServerInfo.from_info({"redis_version": "x.y"})
     assert (info.major, info.functions, info.native_claim) == (0, False, False)

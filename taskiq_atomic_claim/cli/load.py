@@ -11,7 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import __version__
-from taskiq_atomic_claim.cli.arguments import PROG
+from taskiq_atomic_claim.cli.arguments import PROG, CommandError
 from taskiq_atomic_claim.cli.servers import (
     Target,
     add_server_options,
@@ -20,6 +20,7 @@ from taskiq_atomic_claim.cli.servers import (
     resolve_targets,
 )
 from taskiq_atomic_claim.scripts import LIBRARY, LibraryState, ScriptRunner
+from taskiq_atomic_claim.server_info import read_server_info
 
 
 def add_parser(commands: Any) -> None:
@@ -52,6 +53,9 @@ def run_check(args: argparse.Namespace) -> int:
 
 async def _load(args: argparse.Namespace) -> int:
     async def load(client: Redis, target: Target) -> bool:
+        unsupported = (await read_server_info(client)).unsupported()
+        if unsupported:
+            raise CommandError(f"{target.where}: {unsupported}")
         mode = await ScriptRunner().load(client)
         print(
             f"loaded {LIBRARY.name} ({len(LIBRARY.scripts)} operations:"
@@ -69,6 +73,9 @@ async def _check(args: argparse.Namespace) -> int:
     async def check(client: Redis, target: Target) -> bool:
         runner = ScriptRunner()
         server = await runner.probe_server(client)
+        unsupported = server.unsupported()
+        if unsupported:
+            raise CommandError(f"{target.where}: {unsupported}")
         status = await runner.status(client)
         others = (
             f"; other versions present: {', '.join(status.other_versions)}"

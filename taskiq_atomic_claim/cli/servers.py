@@ -32,7 +32,7 @@ from taskiq_atomic_claim.admin.inspection_json import FORMAT
 from taskiq_atomic_claim.cli.arguments import CommandError, valid_name
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
-from taskiq_atomic_claim.server_errors import is_permission_denied
+from taskiq_atomic_claim.server_errors import is_permission_denied, login_problem
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -182,14 +182,11 @@ async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
 
 def _refused_login(url: str, error: AuthenticationError) -> str:
     """One line for a refused login, not the server's text about HELLO."""
-    where = _address(url)
-    if urlsplit(url).password is None:
-        return (
-            f"{where} requires a password, and the URL has none: give it as"
-            " redis://USER:PASSWORD@HOST:PORT, in REDIS_URL to keep it off the"
-            " command line"
-        )
-    return f"{where} refused the URL's username and password: {error}"
+    has_password = urlsplit(url).password is not None
+    problem = login_problem(error, _address(url), has_password)
+    if has_password:
+        return problem
+    return f"{problem}, in REDIS_URL to keep it off the command line"
 
 
 def _address(url: str) -> str:
