@@ -1,11 +1,11 @@
 """One claim cycle for one or several streams: a single call of
 ``lua/claim.lua``, then, only for streams where it claimed something, one
-transaction that reads the claimed entries' fields and who owns them now.
+pipeline that reads the claimed entries' fields and who owns them now.
 
 The script claims ids only (XAUTOCLAIM ... JUSTID): fields passed through
 Lua are converted to Lua values and back, which blocks the server far
 longer than the plain read of the same entries. The read changes no owner
-(XRANGE, beside XPENDING of the same id, in one MULTI): a claimer delayed
+(XRANGE, then XPENDING of the same id, in one pipeline): a claimer delayed
 between the two steps for longer than idle_timeout finds an entry another
 consumer claimed meanwhile owned by that consumer, and leaves it to it; one
 acked meanwhile is no longer pending, and is not reported lost. Entries it
@@ -185,16 +185,24 @@ async def _fetch_fields(
     """The claimed entries this consumer still owns, with their fields (see
     the module docstring)."""
     ids = [entry.id for entry in outcome.entries]
-    replies: list[Any] = []
+    reads: list[Any] = []
+    owners: list[Any] = []
     for first in range(0, len(ids), FETCH_CHUNK):
-        async with client.pipeline(transaction=True) as pipe:
-            for entry_id in ids[first : first + FETCH_CHUNK]:
-                pipe.xpending_range(keys.stream, keys.group, entry_id, entry_id, 1)
+        chunk = ids[first : first + FETCH_CHUNK]
+        # Not a MULTI: out of memory the server refuses whatever is queued in
+        # one. The fields first, the owner after: an entry's fields never
+        # change, so an owner seen after them is the owner of what was read.
+        async with client.pipeline(transaction=False) as pipe:
+            for entry_id in chunk:
                 pipe.xrange(keys.stream, entry_id, entry_id, 1)
-            replies += await pipe.execute()
+            for entry_id in chunk:
+                pipe.xpending_range(keys.stream, keys.group, entry_id, entry_id, 1)
+            replies = await pipe.execute()
+        reads += replies[: len(chunk)]
+        owners += replies[len(chunk) :]
     fields: dict[str, dict[bytes, bytes]] = {}
     gone = []
-    for entry_id, pending, found in zip(ids, replies[::2], replies[1::2], strict=True):
+    for entry_id, pending, found in zip(ids, owners, reads, strict=True):
         if not pending or text(pending[0]["consumer"]) != consumer:
             # Another consumer's now, or acked: not this claimer's to run.
             continue

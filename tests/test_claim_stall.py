@@ -20,7 +20,7 @@ from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
 from tests.stalling_proxy import StallingProxy
 from tests.test_claim_script import GROUP, KEYS, STREAM, owner_of, pending_for, settings
-from tests.test_faults import via
+from tests.test_faults import out_of_memory, via
 
 # The claim's second step, whatever its shape: anything but the script call.
 FETCH = ("XCLAIM", "XRANGE", "XPENDING", "MULTI")
@@ -82,3 +82,19 @@ async def test_an_entry_acked_meanwhile_is_not_reported_lost(
     entries, trimmed, _ = await stalled_claim(server, redis, "ack")
     assert entries == []
     assert trimmed == [], "acked by its owner, not trimmed"
+
+
+async def test_a_claim_out_of_memory_still_reads_what_it_took(
+    server: Server, redis: Redis
+) -> None:
+    # Out of memory the server refuses whatever is queued in a MULTI: the
+    # claim's read of the entries it took must not be one.
+    lua_path_only(server)
+    ids = await pending_for(redis, "dead", 3)
+    await asyncio.sleep(0.05)
+    runner = ScriptRunner()
+    await runner.load(redis)
+    async with out_of_memory(redis):
+        outcome = await claim_idle_entries(runner, redis, KEYS, "alive", settings())
+    assert [entry.id.encode() for entry in outcome.entries] == ids
+    assert all(entry.fields for entry in outcome.entries)
