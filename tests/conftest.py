@@ -96,6 +96,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_oom",
         "test_readonly",
         "test_started_semantics",
+        "test_liveness",
     }
 )
 # What those tests' workers read: queue "taskiq" with additional stream
@@ -266,6 +267,9 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     # The claim's two steps exist on the Lua path only (test_claim_stall
     # runs the matrix).
     "test_claim_stall_worker": ("redis-7.0.15", "valkey-9.1.2"),
+    # The heartbeat is the same on every server; the reclaim that would take
+    # a live worker's entry differs per path (Lua, native).
+    "test_liveness": ("redis-7.0.15", "redis-8.6.3"),
 }
 
 
