@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
@@ -147,6 +148,20 @@ class StandaloneConnection(Connection):
         # Leaving the context closes nothing (the pool belongs to the
         # broker; its shutdown disconnects it).
         return contextlib.nullcontext(self.client)
+
+    @contextlib.asynccontextmanager
+    async def liveness_client(self) -> AsyncIterator[Redis]:
+        # The parent's pool's settings (URL, TLS, auth, timeouts, its
+        # connection class), in a pool of its own: one beat at a time.
+        pool = ConnectionPool(
+            connection_class=self.pool.connection_class,
+            max_connections=2,
+            **self.pool.connection_kwargs,
+        )
+        try:
+            yield Redis(connection_pool=pool)
+        finally:
+            await pool.disconnect()
 
     async def close(self) -> None:
         # Its calls reconnect what the parent closed: close it again.

@@ -13,6 +13,7 @@ constructor checks that for every stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -159,7 +160,17 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         self.atomic = AtomicParts(
             self,
             claim_settings,
-            ClusterConnection(self.redis, queue_name),
+            ClusterConnection(
+                self.redis,
+                queue_name,
+                # As the parent builds its own: for the liveness thread.
+                functools.partial(
+                    RedisCluster.from_url,
+                    url,
+                    max_connections=max_connection_pool_size,
+                    **connection_kwargs,
+                ),
+            ),
             xread_count,
         )
 
@@ -172,9 +183,15 @@ class ClusterConnection(Connection):
     waits_out_startup = True
     per_slot = True
 
-    def __init__(self, redis: RedisCluster, queue_name: str) -> None:
+    def __init__(
+        self,
+        redis: RedisCluster,
+        queue_name: str,
+        build_cluster: Callable[[], RedisCluster],
+    ) -> None:
         super().__init__(queue_name)
         self.redis = redis
+        self.build_cluster = build_cluster
 
     @contextlib.asynccontextmanager
     async def listen_client(
@@ -190,6 +207,19 @@ class ClusterConnection(Connection):
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[SlotRoutedClient]:
         return self.listen_client()
+
+    @contextlib.asynccontextmanager
+    async def liveness_client(self) -> AsyncIterator[SlotRoutedClient]:
+        # A cluster client of its own, routed as the broker's script calls.
+        cluster = self.build_cluster()
+        client = SlotRoutedClient(cluster)
+        try:
+            yield client
+        finally:
+            try:
+                await client.close()
+            finally:
+                await cluster.aclose()
 
     def setup_client(self) -> contextlib.AbstractAsyncContextManager[RedisCluster]:
         # As the parent, without its ``async with self.redis`` (see

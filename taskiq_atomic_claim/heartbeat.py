@@ -1,7 +1,9 @@
 """The in-flight heartbeat and the graceful hand-back of one consumer.
 
-While a worker lives, the entries it holds are kept from being reclaimed
-(``EntryLifecycle.beat``, every third of ``idle_timeout``). Its shutdown makes
+While a worker's process lives, the entries it holds are kept from being
+reclaimed, every third of ``idle_timeout``, by a thread of its own
+(``liveness.py``): a task that blocks the event loop does not stop it. The
+rest of the heartbeat runs on the loop (``EntryLifecycle.beat``). Its shutdown makes
 claimable at once what no task runs; a task still running is never made
 claimable while this process may run it (see ``finish_shutdown``).
 """
@@ -16,6 +18,7 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
+from taskiq_atomic_claim.liveness import LivenessThread
 from taskiq_atomic_claim.operations import leave_group_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -42,8 +45,10 @@ class Heartbeat:
         streams: list[str],
         group: str,
         consumer: str,
+        liveness: LivenessThread,
     ) -> None:
         self.in_flight = in_flight
+        self.liveness = liveness
         self.scripts = scripts
         self.connect = connect
         self.settings = settings
@@ -63,6 +68,7 @@ class Heartbeat:
     def start(self) -> None:
         """A listen() begins: beat from now on (one task however many)."""
         self._listened = True
+        self.liveness.start()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(
                 self._loop(), name=f"heartbeat {self.consumer}"
@@ -73,10 +79,9 @@ class Heartbeat:
         # the receiver stops pulling from listen(), and that is exactly when
         # long tasks need their heartbeat.
         #
-        # It must never die: a dead heartbeat lets every long task be
-        # reclaimed and run twice. So every error is retried, usage errors
-        # too (logged as such). Retries come faster than beats, so entries
-        # unheartbeated through an outage are refreshed soon after it ends.
+        # It must never die: what the receiver dropped would stay held, and
+        # what waits for a slot would never be handed back. So every error
+        # is retried, usage errors too (logged as such).
         beat = self.heartbeat_interval
         outage = Backoff(f"heartbeat {self.consumer}", cap=min(MAX_DELAY_S, beat / 3))
         delay = beat
@@ -109,6 +114,8 @@ class Heartbeat:
         )
 
     async def stop(self) -> None:
+        """Stop beating, the liveness thread included (bounded)."""
+        await self.liveness.stop()
         task, self._task = self._task, None
         if task is None:
             return

@@ -5,7 +5,6 @@ SIGKILLed worker's task runs again within seconds at the defaults. Real
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
