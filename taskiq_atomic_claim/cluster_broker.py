@@ -38,6 +38,7 @@ from taskiq_atomic_claim.server_info import (
 )
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
@@ -67,7 +68,7 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         approximate: bool = True,
         additional_streams: dict[str, str | int] | None = None,
         *,
-        idle_timeout: int = 600000,
+        idle_timeout: int = DEFAULT_IDLE_TIMEOUT_MS,
         unacknowledged_batch_size: int = 100,
         unacknowledged_lock_timeout: float | None = None,
         xread_count: int | None = 100,
@@ -82,7 +83,8 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         arguments, keyword-only, are ``AtomicRedisStreamBroker``'s.
 
         :param idle_timeout: ms an entry must sit unacknowledged before it is
-            reclaimed from a consumer that stopped.
+            reclaimed from a consumer that stopped; by default 5000, as in
+            ``AtomicRedisStreamBroker``.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
             by default one claim interval, never forever; at most

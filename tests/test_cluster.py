@@ -198,7 +198,7 @@ def test_parent_arguments_keep_their_positions() -> None:
     assert (broker.queue_name, broker.consumer_group_name) == ("jobs", "workers")
     assert (broker.consumer_name, broker.consumer_id, broker.block) == ("me", "0", 3000)
     assert broker.mkstream is False
-    assert broker.atomic.settings.idle_timeout == 600000
+    assert broker.atomic.settings.idle_timeout == 5000
     assert broker.atomic.reads.count == 100
 
 
