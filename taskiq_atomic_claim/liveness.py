@@ -133,8 +133,7 @@ class LivenessThread:
         scripts = ScriptRunner()
         beat = self.interval
         outage = Backoff(
-            f"heartbeat of consumer {self.in_flight.consumer}",
-            cap=min(MAX_DELAY_S, beat / 3),
+            f"heartbeat {self.in_flight.consumer}", cap=min(MAX_DELAY_S, beat / 3)
         )
         delay = beat
         while True:

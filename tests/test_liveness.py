@@ -5,10 +5,12 @@ SIGKILLed worker's task runs again within seconds at the defaults. Real
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -127,3 +129,28 @@ async def test_a_killed_workers_task_runs_again_within_seconds_at_defaults(
         assert rerun is not None, "the killed worker's task never ran again"
         print(f"recovery at defaults on {server.label}: {rerun - killed:.2f} s")
         assert rerun - killed <= DEFAULT_RECOVERY_S, rerun - killed
+
+
+def liveness_threads(consumer: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"liveness {consumer}"]
+
+
+async def test_the_liveness_thread_runs_while_listening_and_stops_with_the_broker(
+    server: Server, redis: Redis
+) -> None:
+    consumer = f"liveness-{uuid.uuid4().hex[:6]}"
+    broker = AtomicRedisStreamBroker(
+        server.url, consumer_name=consumer, idle_timeout=1000, xread_block=100
+    )
+    await broker.startup()
+    try:
+        assert liveness_threads(consumer) == [], "before listen(): no thread"
+        reading = asyncio.ensure_future(broker.listen().__anext__())
+        await asyncio.sleep(0.3)
+        assert len(liveness_threads(consumer)) == 1
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+    finally:
+        await broker.shutdown()
+    assert liveness_threads(consumer) == [], "the thread outlived the broker"
