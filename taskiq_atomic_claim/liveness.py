@@ -74,9 +74,9 @@ class LivenessThread:
 
     def start(self) -> None:
         """A listen() begins: beat from now on (one thread however many)."""
+        self._owner = asyncio.get_running_loop()
         if self._thread is not None and self._thread.is_alive():
             return
-        self._owner = asyncio.get_running_loop()
         with self._lock:
             self._stopping = False
         self._thread = threading.Thread(
