@@ -3,9 +3,10 @@
 While a worker's process lives, the entries it holds are kept from being
 reclaimed, every third of ``idle_timeout``, by a thread of its own
 (``liveness.py``): a task that blocks the event loop does not stop it. The
-rest of the heartbeat runs on the loop (``EntryLifecycle.beat``). Its shutdown makes
-claimable at once what no task runs; a task still running is never made
-claimable while this process may run it (see ``finish_shutdown``).
+rest of the heartbeat runs on the loop (``EntryLifecycle.beat``). Its
+shutdown makes claimable at once what no task runs; a task still running is
+never made claimable while this process may run it (see
+``finish_shutdown``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Heartbeat:
     async def _loop(self) -> None:
         # A task of its own, not part of listen(): while every slot is busy
         # the receiver stops pulling from listen(), and that is exactly when
-        # long tasks need their heartbeat.
+        # entries wait for a slot and dropped ones need settling.
         #
         # It must never die: what the receiver dropped would stay held, and
         # what waits for a slot would never be handed back. So every error
