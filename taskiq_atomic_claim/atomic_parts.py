@@ -25,6 +25,7 @@ from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeat
 from taskiq_atomic_claim.kicking import Kicker
+from taskiq_atomic_claim.liveness import LivenessThread
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.reads import GroupReads
 from taskiq_atomic_claim.reclaim_path import PathChoice
@@ -157,6 +158,7 @@ class AtomicParts:
             self.streams,
             group,
             consumer,
+            LivenessThread(self.in_flight, self.connection, settings.idle_timeout),
         )
         self.kicker = Kicker(
             self.scripts,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
@@ -12,6 +13,7 @@ from taskiq_atomic_claim.atomic_parts import AtomicBroker, AtomicParts
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
@@ -41,7 +43,7 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
         xread_block: int = 2000,
         maxlen: int | None = None,
         approximate: bool = True,
-        idle_timeout: int = 600000,
+        idle_timeout: int = DEFAULT_IDLE_TIMEOUT_MS,
         unacknowledged_batch_size: int = 100,
         unacknowledged_lock_timeout: float | None = None,
         xread_count: int | None = 100,
@@ -57,7 +59,11 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
         """Take the parent's arguments, in its units, plus ``claim_interval``.
 
         :param idle_timeout: ms an entry must sit unacknowledged before it is
-            reclaimed from a consumer that stopped (as in the parent).
+            reclaimed from a consumer that stopped (as in the parent). By
+            default 5000, not the parent's 600000: a live process keeps its
+            entries from being reclaimed whatever its event loop does, but a
+            server stall or outage longer than this lets entries held through
+            it be reclaimed and run again.
         :param unacknowledged_lock_timeout: seconds the claim lease lives
             (as in the parent); by default one claim interval, never forever;
             at most idle_timeout (a longer one is cut, with a warning).
@@ -158,6 +164,20 @@ class StandaloneConnection(Connection):
         kwargs = self.pool.connection_kwargs
         where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
         return str(where), kwargs.get("password") is not None
+
+    @contextlib.asynccontextmanager
+    async def liveness_client(self) -> AsyncIterator[Redis]:
+        # The parent's pool's settings (URL, TLS, auth, timeouts, its
+        # connection class), in a pool of its own: one beat at a time.
+        pool = ConnectionPool(
+            connection_class=self.pool.connection_class,
+            max_connections=2,
+            **self.pool.connection_kwargs,
+        )
+        try:
+            yield Redis(connection_pool=pool)
+        finally:
+            await pool.disconnect()
 
     async def close(self) -> None:
         # Its calls reconnect what the parent closed: close it again.

@@ -13,6 +13,7 @@ constructor checks that for every stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,7 @@ from taskiq_atomic_claim.server_info import (
 )
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
@@ -66,7 +68,7 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         approximate: bool = True,
         additional_streams: dict[str, str | int] | None = None,
         *,
-        idle_timeout: int = 600000,
+        idle_timeout: int = DEFAULT_IDLE_TIMEOUT_MS,
         unacknowledged_batch_size: int = 100,
         unacknowledged_lock_timeout: float | None = None,
         xread_count: int | None = 100,
@@ -82,7 +84,8 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         arguments, keyword-only, are ``AtomicRedisStreamBroker``'s.
 
         :param idle_timeout: ms an entry must sit unacknowledged before it is
-            reclaimed from a consumer that stopped.
+            reclaimed from a consumer that stopped; by default 5000, as in
+            ``AtomicRedisStreamBroker``.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
             by default one claim interval, never forever; at most
@@ -163,7 +166,17 @@ class AtomicRedisStreamClusterBroker(AtomicBroker, RedisStreamClusterBroker):
         self.atomic = AtomicParts(
             self,
             claim_settings,
-            ClusterConnection(self.redis, queue_name),
+            ClusterConnection(
+                self.redis,
+                queue_name,
+                # As the parent builds its own: for the liveness thread.
+                functools.partial(
+                    RedisCluster.from_url,
+                    url,
+                    max_connections=max_connection_pool_size,
+                    **connection_kwargs,
+                ),
+            ),
             xread_count,
         )
 
@@ -176,9 +189,15 @@ class ClusterConnection(Connection):
     waits_out_startup = True
     per_slot = True
 
-    def __init__(self, redis: RedisCluster, queue_name: str) -> None:
+    def __init__(
+        self,
+        redis: RedisCluster,
+        queue_name: str,
+        build_cluster: Callable[[], RedisCluster],
+    ) -> None:
         super().__init__(queue_name)
         self.redis = redis
+        self.build_cluster = build_cluster
 
     @contextlib.asynccontextmanager
     async def listen_client(
@@ -194,6 +213,19 @@ class ClusterConnection(Connection):
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[SlotRoutedClient]:
         return self.listen_client()
+
+    @contextlib.asynccontextmanager
+    async def liveness_client(self) -> AsyncIterator[SlotRoutedClient]:
+        # A cluster client of its own, routed as the broker's script calls.
+        cluster = self.build_cluster()
+        client = SlotRoutedClient(cluster)
+        try:
+            yield client
+        finally:
+            try:
+                await client.close()
+            finally:
+                await cluster.aclose()
 
     def setup_client(self) -> contextlib.AbstractAsyncContextManager[RedisCluster]:
         # As the parent, without its ``async with self.redis`` (see

@@ -57,6 +57,13 @@ class Connection:
         consumer is not pulling are held (and heartbeated) at once."""
         return self.connect()
 
+    def liveness_client(self) -> contextlib.AbstractAsyncContextManager[ScriptClient]:
+        """A client of its own for the liveness thread (``liveness.py``),
+        entered, used and left in that thread's event loop: built afresh
+        from public redis-py API, it shares no connection and no asyncio
+        object with the broker's loop."""
+        raise NotImplementedError
+
     def setup_client(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """The client that creates consumer groups at startup."""
         return self.connect()

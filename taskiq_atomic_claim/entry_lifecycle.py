@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
@@ -126,6 +127,9 @@ class EntryLifecycle:
         cycles = (settings.max_deliveries + 1) * 2
         self.started_ttl = max(MIN_STARTED_TTL_MS, cycles * settings.idle_timeout)
         self._held: dict[tuple[str, str], Delivery] = {}
+        # The liveness thread copies the held set (held_snapshot): every
+        # change to it is made under this lock.
+        self._held_lock = threading.Lock()
         self._by_task: dict[asyncio.Task[Any], Delivery] = {}
         self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
         self._start_flush: asyncio.Task[None] | None = None
@@ -161,17 +165,20 @@ class EntryLifecycle:
 
     def add(self, stream: str, entry_ids: Iterable[str], crashes: int = 0) -> None:
         now = time.monotonic()
-        for entry_id in entry_ids:
-            delivery = Delivery(stream, entry_id, now, crashes=crashes)
-            self._held.setdefault((stream, entry_id), delivery)
+        with self._held_lock:
+            for entry_id in entry_ids:
+                delivery = Delivery(stream, entry_id, now, crashes=crashes)
+                self._held.setdefault((stream, entry_id), delivery)
 
     def discard(self, stream: str, entry_id: str) -> None:
-        delivery = self._held.pop((stream, entry_id), None)
+        with self._held_lock:
+            delivery = self._held.pop((stream, entry_id), None)
         if delivery is not None and delivery.task is not None:
             self._by_task.pop(delivery.task, None)
 
     def clear(self) -> None:
-        self._held.clear()
+        with self._held_lock:
+            self._held.clear()
         self._by_task.clear()
 
     def __getitem__(self, stream: str) -> set[str]:
@@ -185,6 +192,11 @@ class EntryLifecycle:
 
     def deliveries(self) -> list[Delivery]:
         return list(self._held.values())
+
+    def held_snapshot(self) -> list[Delivery]:
+        """What is held, copied under the lock: safe from another thread."""
+        with self._held_lock:
+            return list(self._held.values())
 
     def get(self, stream: str, entry_id: str) -> Delivery | None:
         return self._held.get((stream, entry_id))
@@ -498,14 +510,13 @@ class EntryLifecycle:
     # Heartbeat and hand-back.
 
     async def beat(self, client: ScriptClient) -> None:
-        """One heartbeat: dead-letter what the receiver dropped, hand back
-        what sat unread too long, keep the rest from being reclaimed.
+        """The heartbeat's part on the event loop: dead-letter what the
+        receiver dropped, hand back what sat unread too long. Keeping the
+        rest from being reclaimed is the liveness thread's (``liveness.py``):
+        a blocked loop must not stop it.
 
-        The idle reset runs whatever the steps before it met: a step that
-        fails at every beat (a refused command, a dead-letter key of another
-        type) is logged and tried again at the next, and must not let long
-        tasks be reclaimed and run twice. Only an unreachable server stops
-        the beat, as the reset would fail too."""
+        A step that fails at every beat (a refused command, a dead-letter key
+        of another type) is logged and tried again at the next."""
         for delivery in [d for d in self.deliveries() if d.dropped_by_receiver()]:
             await _contained(
                 f"settling entry {delivery.entry_id} of stream {delivery.stream!r}"
@@ -516,7 +527,6 @@ class EntryLifecycle:
             "handing back entries not started",
             self.hand_back_unyielded(client, 3 * self.settings.idle_timeout / 1000),
         )
-        await self.set_idle(client, 0, self.deliveries())
 
     async def settle_dropped(self, client: ScriptClient, delivery: Delivery) -> None:
         """Dead-letter (or decline) an entry whose receiver callback ended

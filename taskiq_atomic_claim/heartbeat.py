@@ -1,9 +1,12 @@
 """The in-flight heartbeat and the graceful hand-back of one consumer.
 
-While a worker lives, the entries it holds are kept from being reclaimed
-(``EntryLifecycle.beat``, every third of ``idle_timeout``). Its shutdown makes
-claimable at once what no task runs; a task still running is never made
-claimable while this process may run it (see ``finish_shutdown``).
+While a worker's process lives, the entries it holds are kept from being
+reclaimed, every third of ``idle_timeout``, by a thread of its own
+(``liveness.py``): a task that blocks the event loop does not stop it. The
+rest of the heartbeat runs on the loop (``EntryLifecycle.beat``). Its
+shutdown makes claimable at once what no task runs; a task still running is
+never made claimable while this process may run it (see
+``finish_shutdown``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from taskiq_atomic_claim.backoff import MAX_DELAY_S, Backoff
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
+from taskiq_atomic_claim.liveness import LivenessThread
 from taskiq_atomic_claim.operations import leave_group_call
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -42,8 +46,10 @@ class Heartbeat:
         streams: list[str],
         group: str,
         consumer: str,
+        liveness: LivenessThread,
     ) -> None:
         self.in_flight = in_flight
+        self.liveness = liveness
         self.scripts = scripts
         self.connect = connect
         self.settings = settings
@@ -63,6 +69,7 @@ class Heartbeat:
     def start(self) -> None:
         """A listen() begins: beat from now on (one task however many)."""
         self._listened = True
+        self.liveness.start()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(
                 self._loop(), name=f"heartbeat {self.consumer}"
@@ -71,12 +78,11 @@ class Heartbeat:
     async def _loop(self) -> None:
         # A task of its own, not part of listen(): while every slot is busy
         # the receiver stops pulling from listen(), and that is exactly when
-        # long tasks need their heartbeat.
+        # entries wait for a slot and dropped ones need settling.
         #
-        # It must never die: a dead heartbeat lets every long task be
-        # reclaimed and run twice. So every error is retried, usage errors
-        # too (logged as such). Retries come faster than beats, so entries
-        # unheartbeated through an outage are refreshed soon after it ends.
+        # It must never die: what the receiver dropped would stay held, and
+        # what waits for a slot would never be handed back. So every error
+        # is retried, usage errors too (logged as such).
         beat = self.heartbeat_interval
         outage = Backoff(f"heartbeat {self.consumer}", cap=min(MAX_DELAY_S, beat / 3))
         delay = beat
@@ -110,6 +116,8 @@ class Heartbeat:
         )
 
     async def stop(self) -> None:
+        """Stop beating, the liveness thread included (bounded)."""
+        await self.liveness.stop()
         task, self._task = self._task, None
         if task is None:
             return

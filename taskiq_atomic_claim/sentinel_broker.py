@@ -26,8 +26,9 @@ or is reloaded on the new master when it is missing (6.2's cached scripts).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -42,6 +43,7 @@ from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.server_errors import UNREACHABLE, Fault, classify
 from taskiq_atomic_claim.settings import (
     DEFAULT_IDEMPOTENCY_WINDOW_S,
+    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_KICK_PATIENCE_S,
     DEFAULT_MAX_DELIVERIES,
     check_broker_arguments,
@@ -109,7 +111,7 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
         approximate: bool = True,
         additional_streams: dict[str, str | int] | None = None,
         *,
-        idle_timeout: int = 600000,
+        idle_timeout: int = DEFAULT_IDLE_TIMEOUT_MS,
         unacknowledged_batch_size: int = 100,
         unacknowledged_lock_timeout: float | None = None,
         xread_count: int | None = 100,
@@ -125,7 +127,8 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
         arguments, keyword-only, are ``AtomicRedisStreamBroker``'s.
 
         :param idle_timeout: ms an entry must sit unacknowledged before it is
-            reclaimed from a consumer that stopped.
+            reclaimed from a consumer that stopped; by default 5000, as in
+            ``AtomicRedisStreamBroker``.
         :param unacknowledged_batch_size: entries one claim takes at most.
         :param unacknowledged_lock_timeout: seconds the claim lease lives;
             by default one claim interval, never forever; at most
@@ -193,7 +196,17 @@ class AtomicRedisStreamSentinelBroker(AtomicBroker, RedisStreamSentinelBroker):
             self,
             claim_settings,
             SentinelConnection(
-                self.sentinel, master_name, queue_name, claim_settings.claim_interval
+                self.sentinel,
+                master_name,
+                queue_name,
+                claim_settings.claim_interval,
+                # As the parent builds its own: for the liveness thread.
+                functools.partial(
+                    Sentinel,
+                    sentinels=sentinels,
+                    min_other_sentinels=min_other_sentinels,
+                    **connection_kwargs,
+                ),
             ),
             xread_count,
         )
@@ -210,9 +223,11 @@ class SentinelConnection(Connection):
         master_name: str,
         queue_name: str,
         claim_interval_ms: int,
+        build_sentinel: Callable[[], Sentinel],
     ) -> None:
         super().__init__(queue_name)
         self.sentinel = sentinel
+        self.build_sentinel = build_sentinel
         self.master_name = master_name
         # How often (s) the sentinels are asked for the master at most.
         self.check_every_s = min(claim_interval_ms, 1000) / 1000
@@ -226,14 +241,30 @@ class SentinelConnection(Connection):
         idle ones when ``before_call`` finds the master moved. Kicks go
         through it too, each checked the same way first."""
         if self._master_client is None:
-            ssl = bool(self.sentinel.connection_kwargs.get("ssl"))
-            connection_class = (
-                MasterFollowingSSLConnection if ssl else MasterFollowingConnection
-            )
-            self._master_client = self.sentinel.master_for(
-                self.master_name, connection_class=connection_class
-            )
+            self._master_client = self._master_of(self.sentinel)
         return self._master_client
+
+    def _master_of(self, sentinel: Sentinel) -> Redis:
+        ssl = bool(sentinel.connection_kwargs.get("ssl"))
+        connection_class = (
+            MasterFollowingSSLConnection if ssl else MasterFollowingConnection
+        )
+        master: Redis = sentinel.master_for(
+            self.master_name, connection_class=connection_class
+        )
+        return master
+
+    @contextlib.asynccontextmanager
+    async def liveness_client(self) -> AsyncIterator[MasterCheckedClient]:
+        # Sentinels and a master client of its own, built as the broker's.
+        sentinel = self.build_sentinel()
+        master = self._master_of(sentinel)
+        try:
+            yield MasterCheckedClient(master)
+        finally:
+            await master.aclose()
+            for client in sentinel.sentinels:
+                await client.aclose()
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[Redis]:
@@ -262,3 +293,28 @@ class SentinelConnection(Connection):
         client, self._master_client = self._master_client, None
         if client is not None:
             await client.aclose()
+
+
+class MasterCheckedClient:
+    """The liveness thread's master client: before each beat it asks the
+    sentinels where the master is, so a failover is followed within one beat
+    (the old master takes heartbeats until it is demoted, then throws them
+    away). A failed look-up leaves the pool as it is."""
+
+    # At most one look-up per this many seconds (a beat makes a call per
+    # stream).
+    CHECK_EVERY_S = 1.0
+
+    def __init__(self, master: Redis) -> None:
+        # redis-py types neither the Sentinel pool's look-up nor the call.
+        self.master: Any = master
+        self.connection_pool: Any = master.connection_pool
+        self._checked = -self.CHECK_EVERY_S
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        now = time.monotonic()
+        if now - self._checked >= self.CHECK_EVERY_S:
+            self._checked = now
+            with contextlib.suppress(*UNREACHABLE):
+                await self.connection_pool.get_master_address()
+        return await self.master.execute_command(*args, **options)

@@ -15,6 +15,17 @@ logger = logging.getLogger("taskiq.atomic_claim")
 # XAUTOCLAIM scans COUNT*10 PEL entries per call; beyond this a single claim
 # call would block the server for a noticeable time.
 MAX_BATCH_SIZE = 10_000
+# ms. taskiq-redis's 600000 had to outlast the longest pause of any live
+# worker's event loop; here a thread keeps a live process's entries (see
+# liveness.py), so the default is set by what it costs instead:
+# - a SIGKILLed worker's task runs again within idle_timeout + claim_interval
+#   (6.25 s; Redis >= 8.4: idle_timeout plus one read, about the same);
+# - a server stall (DEBUG SLEEP, a slow script or command, CLIENT PAUSE during a
+#   failover), a restart, or a worker cut off from the server, for longer than
+#   this makes every entry held through it look idle when it ends: it may
+#   then be reclaimed and run a second time. 5 s is Redis's own threshold for
+#   calling a server busy (busy-reply-threshold).
+DEFAULT_IDLE_TIMEOUT_MS = 5000
 # By default a claim runs every idle_timeout / 4: an entry left by a killed
 # worker re-runs within 1.25 * idle_timeout, and an idle fleet claims rarely.
 DEFAULT_CLAIM_INTERVAL_DIVISOR = 4

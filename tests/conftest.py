@@ -96,6 +96,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_oom",
         "test_readonly",
         "test_started_semantics",
+        "test_liveness",
     }
 )
 # What those tests' workers read: queue "taskiq" with additional stream
@@ -290,6 +291,9 @@ PATH_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
     "test_unknown_tasks": (LUA_PATH, NATIVE_PATH),
     "test_faults": (EVALSHA_PATH, LUA_PATH, NATIVE_PATH),
     "test_reliability": (EVALSHA_PATH, LUA_PATH, NATIVE_PATH),
+    # The heartbeat is the same on every server; the reclaim that would take
+    # a live worker's entry differs per path.
+    "test_liveness": (LUA_PATH, NATIVE_PATH),
 }
 
 

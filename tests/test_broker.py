@@ -270,11 +270,13 @@ def test_a_lease_longer_than_idle_timeout_is_cut_with_one_warning(
     assert caplog.records == []
 
 
-def test_defaults_follow_the_parent() -> None:
+def test_defaults_follow_the_parent_but_idle_timeout() -> None:
+    # idle_timeout keeps its meaning and unit; its default is 5 s, not
+    # taskiq-redis's 10 min (a thread keeps a live process's entries).
     broker = AtomicRedisStreamBroker("redis://127.0.0.1:1")
-    assert broker.idle_timeout == 600_000
-    assert broker.atomic.settings.claim_interval == 150_000
-    assert broker.atomic.settings.lease == 150_000
+    assert broker.idle_timeout == 5000
+    assert broker.atomic.settings.claim_interval == 1250
+    assert broker.atomic.settings.lease == 1250
     assert broker.unacknowledged_batch_size == 100
     short = AtomicRedisStreamBroker("redis://127.0.0.1:1", idle_timeout=1_000)
     assert short.atomic.settings.claim_interval == 250

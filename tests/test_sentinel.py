@@ -221,7 +221,7 @@ def test_parent_arguments_keep_their_positions() -> None:
     assert (broker.master_name, broker.queue_name) == ("m", "jobs")
     assert (broker.consumer_group_name, broker.consumer_name) == ("workers", "me")
     assert (broker.consumer_id, broker.mkstream, broker.block) == ("0", False, 3000)
-    assert broker.atomic.settings.idle_timeout == 600000
+    assert broker.atomic.settings.idle_timeout == 5000
 
 
 # On the shared setup.

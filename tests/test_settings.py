@@ -44,7 +44,8 @@ REFUSED = [
     ({"maxlen": MAX_REDIS_INT + 1}, "maxlen"),
     # Default xread_block 2000 ms (claim interval idle_timeout / 4): reads block 2 s.
     ({"socket_timeout": 1}, "socket_timeout"),
-    ({"socket_timeout": 2.5}, "socket_timeout"),
+    # At defaults a read blocks up to claim_interval, 1250 ms.
+    ({"socket_timeout": 1.75}, "socket_timeout"),
     ({"socket_timeout": 0.3, "claim_interval": 200}, "socket_timeout"),
     ({"socket_timeout": "5"}, "socket_timeout"),
 ]
@@ -83,7 +84,7 @@ def test_consumers_are_named_by_host_and_process_unless_named() -> None:
 
 
 def test_socket_timeout_above_the_longest_read_is_accepted() -> None:
-    AtomicRedisStreamBroker(NOWHERE, socket_timeout=2.6)
+    AtomicRedisStreamBroker(NOWHERE, socket_timeout=1.8)
     AtomicRedisStreamBroker(NOWHERE, socket_timeout=0.65, claim_interval=100)
     AtomicRedisStreamBroker(NOWHERE, socket_timeout=0.65, xread_block=100)
 

@@ -8,7 +8,8 @@ tests.topology_app:broker`` subprocess picks it up:
   the startup node) or the sentinels;
 - ``TAC_TOPOLOGY_MASTER``: the Sentinel master name;
 - ``TAC_DRILL_QUEUE``, ``TAC_DRILL_IDLE_TIMEOUT``, ``TAC_DRILL_CLAIM_INTERVAL``
-  and ``TAC_DRILL_WORKER`` as for ``taskiq_atomic_claim.harness.drill_app``;
+  and ``TAC_DRILL_WORKER`` as for ``taskiq_atomic_claim.harness.drill_app``
+  (an empty idle timeout or claim interval: the broker's default);
 - ``TAC_DRILL_EVENTS_URL``: a standalone server, outside the topology, for
   the events stream, so a failover can neither lose nor hide an event.
 """
@@ -16,6 +17,7 @@ tests.topology_app:broker`` subprocess picks it up:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from redis.asyncio import Redis
 from taskiq import AsyncBroker
@@ -40,18 +42,25 @@ def build_broker(
     kind: str,
     nodes: list[tuple[str, int]],
     queue: str,
-    idle_timeout: int,
-    claim_interval: int,
+    idle_timeout: int | None,
+    claim_interval: int | None,
     master_name: str = MASTER_NAME,
 ) -> AsyncBroker:
+    reclaim: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("idle_timeout", idle_timeout),
+            ("claim_interval", claim_interval),
+        )
+        if value is not None
+    }
     if kind == "cluster":
         host, port = nodes[0]
         return AtomicRedisStreamClusterBroker(
             f"redis://{host}:{port}",
             queue_name=queue,
             xread_block=2000,
-            idle_timeout=idle_timeout,
-            claim_interval=claim_interval,
+            **reclaim,
         )
     if kind == "sentinel":
         return AtomicRedisStreamSentinelBroker(
@@ -59,20 +68,25 @@ def build_broker(
             master_name,
             queue_name=queue,
             xread_block=2000,
-            idle_timeout=idle_timeout,
-            claim_interval=claim_interval,
+            **reclaim,
         )
     raise ValueError(f"TAC_TOPOLOGY must be cluster or sentinel, got {kind!r}")
 
 
 _QUEUE = os.environ.get("TAC_DRILL_QUEUE", "taskiq-atomic-claim-drill")
 
+
+def _ms(name: str, default: str) -> int | None:
+    value = os.environ.get(name, default)
+    return int(value) if value else None
+
+
 broker = build_broker(
     os.environ.get("TAC_TOPOLOGY", "cluster"),
     parse_nodes(os.environ.get("TAC_TOPOLOGY_NODES", "127.0.0.1:7000")),
     _QUEUE,
-    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
-    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
+    _ms("TAC_DRILL_IDLE_TIMEOUT", "2000"),
+    _ms("TAC_DRILL_CLAIM_INTERVAL", "500"),
     os.environ.get("TAC_TOPOLOGY_MASTER", MASTER_NAME),
 )
 add_drill_task(

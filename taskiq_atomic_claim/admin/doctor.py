@@ -58,15 +58,15 @@ from taskiq_atomic_claim.operations import delete_idle_consumer_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LibraryState, ScriptRunner
 from taskiq_atomic_claim.server_info import ServerInfo
+from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 
 # taskiq-redis's RedisStreamBroker default idle_timeout (ms).
 DEFAULT_LOCK_EXPIRY_MS = 600_000
 DEFAULT_CONSUMER_IDLE_MS = 24 * 3600 * 1000
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_STALE_PENDING_MS = 3600 * 1000
-# taskiq-redis's RedisStreamBroker default idle_timeout (ms), and how many of
-# them without a read, with entries waiting, make a backlog nobody reads.
-DEFAULT_IDLE_TIMEOUT_MS = 600_000
+# How many idle_timeouts (the brokers' default unless told) without a read,
+# with entries waiting, make a backlog nobody reads.
 UNREAD_TIMEOUTS = 2
 # Entries a stream keeps after every group is done with them (acked, not
 # deleted): past this it grows without bound.

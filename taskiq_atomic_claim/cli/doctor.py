@@ -12,7 +12,6 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.admin.doctor import (
     DEFAULT_CONSUMER_IDLE_MS,
-    DEFAULT_IDLE_TIMEOUT_MS,
     DEFAULT_LOCK_EXPIRY_MS,
     DEFAULT_MAX_PENDING,
     DEFAULT_MAX_RETAINED,
@@ -37,6 +36,7 @@ from taskiq_atomic_claim.cli.servers import (
     reach,
     resolve_targets,
 )
+from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 
 # The option that sets the threshold behind each kind of finding.
 _TUNING = {

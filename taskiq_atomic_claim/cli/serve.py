@@ -8,13 +8,13 @@ import asyncio
 import os
 from typing import Any
 
-from taskiq_atomic_claim.admin.doctor import DEFAULT_IDLE_TIMEOUT_MS
 from taskiq_atomic_claim.cli.arguments import CommandError, milliseconds
 from taskiq_atomic_claim.cli.servers import (
     add_scope_options,
     connected,
     resolve_targets,
 )
+from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 
 TOKEN_VARIABLE = "TASKIQ_ATOMIC_CLAIM_TOKEN"  # noqa: S105 (a name, not a token)
 

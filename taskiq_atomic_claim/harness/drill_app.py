@@ -123,8 +123,9 @@ _WORKER = os.environ.get("TAC_DRILL_WORKER", f"{socket.gethostname()}:{os.getpid
 broker = build_broker(
     _URL,
     _QUEUE,
-    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT", "2000")),
-    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL", "500")),
+    # Empty: as unset (the topology drills' app imports this one).
+    int(os.environ.get("TAC_DRILL_IDLE_TIMEOUT") or "2000"),
+    int(os.environ.get("TAC_DRILL_CLAIM_INTERVAL") or "500"),
     os.environ.get("TAC_DRILL_BROKER", "atomic"),
     # The worker's name doubles as its consumer name, so a drill can ask the
     # server what a worker it killed still had pending.

@@ -1,0 +1,156 @@
+"""Liveness is the process, not its event loop: a task that blocks its
+worker's loop is never run elsewhere while that process lives, and a
+SIGKILLed worker's task runs again within seconds at the defaults. Real
+``taskiq worker`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from taskiq.kicker import AsyncKicker
+
+from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.harness.drill import Events
+from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
+from tests.conftest import Server
+from tests.liveness_app import BLOCKING_TASK
+from tests.test_started_semantics import stopped_at_exit, taskiq_worker
+
+# What the defaults promise (README): a killed worker's task runs again
+# within this many seconds.
+DEFAULT_RECOVERY_S = 10.0
+
+
+class LivenessQueue:
+    def __init__(
+        self, server: Server, redis: Redis, log_dir: Path, idle_timeout: int | None
+    ) -> None:
+        self.name = f"taskiq-atomic-claim-drill-{uuid.uuid4().hex[:8]}"
+        self.url = server.url
+        self.log_dir = log_dir
+        self.idle_timeout = idle_timeout
+        self.events = Events(redis, events_stream(self.name))
+        self.kicker = AtomicRedisStreamBroker(server.url, queue_name=self.name)
+
+    def worker(self, name: str) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "TAC_TEST_URL": self.url,
+            "TAC_TEST_QUEUE": self.name,
+            "TAC_TEST_WORKER": name,
+            "TAC_TEST_IDLE_TIMEOUT": str(self.idle_timeout or ""),
+        }
+        return taskiq_worker(
+            "tests.liveness_app:broker", self.log_dir / f"{name}.log", env
+        )
+
+    async def kick(self, task: str, *args: Any) -> None:
+        kicker: AsyncKicker[Any, Any] = AsyncKicker(task, self.kicker, {})
+        await kicker.kiq(*args)
+
+    async def ready(self, *workers: str) -> None:
+        deadline = time.monotonic() + 60
+        for name in workers:
+            seen = await self.events.wait_for("ready", deadline, worker=name)
+            assert seen is not None, f"worker {name} never started"
+
+    def starts(self, run_id: str) -> list[str]:
+        return [
+            worker
+            for _, event, run, worker in self.events.seen
+            if (event, run) == ("started", run_id)
+        ]
+
+
+@contextlib.asynccontextmanager
+async def liveness_queue(
+    server: Server, redis: Redis, log_dir: Path, idle_timeout: int | None = None
+) -> AsyncIterator[LivenessQueue]:
+    queue = LivenessQueue(server, redis, log_dir, idle_timeout)
+    # Before the first kick: a worker's startup creates the group at "$".
+    await redis.xgroup_create(queue.name, "taskiq", id="0", mkstream=True)
+    try:
+        yield queue
+    finally:
+        await queue.kicker.shutdown()
+
+
+async def test_a_task_blocking_its_loop_past_idle_timeout_runs_once(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # A sync client inside an async task: the loop stands still five times
+    # idle_timeout, while an idle worker beside it claims every 250 ms.
+    idle_ms = 1000
+    async with liveness_queue(server, redis, tmp_path, idle_ms) as queue:
+        with stopped_at_exit() as workers:
+            workers += [queue.worker("one"), queue.worker("two")]
+            await queue.ready("one", "two")
+            await queue.kick(BLOCKING_TASK, "blocker", 5 * idle_ms / 1000)
+            deadline = time.monotonic() + 30
+            finished = await queue.events.wait_for("finished", deadline, "blocker")
+            assert finished is not None, "the blocking task never finished"
+            # Room for a wrong second start.
+            await queue.events.wait_for("never", time.monotonic() + 2 * idle_ms / 1000)
+        assert len(queue.starts("blocker")) == 1, queue.starts("blocker")
+        assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
+
+
+async def test_a_killed_workers_task_runs_again_within_seconds_at_defaults(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # No reclaim setting in the app: what a user who only swapped the class
+    # gets. The survivor is idle when its peer dies.
+    async with liveness_queue(server, redis, tmp_path) as queue:
+        with stopped_at_exit() as workers:
+            workers += [queue.worker("one"), queue.worker("two")]
+            await queue.ready("one", "two")
+            await queue.kick(TASK_NAME, "victim", 60.0)
+            deadline = time.monotonic() + 30
+            assert await queue.events.wait_for("started", deadline, "victim")
+            [doomed] = queue.starts("victim")
+            process = workers[["one", "two"].index(doomed)]
+            os.killpg(process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            survivor = "two" if doomed == "one" else "one"
+            rerun = await queue.events.wait_for(
+                "started", killed + 3 * DEFAULT_RECOVERY_S, "victim", survivor
+            )
+        assert rerun is not None, "the killed worker's task never ran again"
+        print(f"recovery at defaults on {server.label}: {rerun - killed:.2f} s")
+        assert rerun - killed <= DEFAULT_RECOVERY_S, rerun - killed
+
+
+def liveness_threads(consumer: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"liveness {consumer}"]
+
+
+async def test_the_liveness_thread_runs_while_listening_and_stops_with_the_broker(
+    server: Server, redis: Redis
+) -> None:
+    consumer = f"liveness-{uuid.uuid4().hex[:6]}"
+    broker = AtomicRedisStreamBroker(
+        server.url, consumer_name=consumer, idle_timeout=1000, xread_block=100
+    )
+    await broker.startup()
+    try:
+        assert liveness_threads(consumer) == [], "before listen(): no thread"
+        reading = asyncio.ensure_future(broker.listen().__anext__())
+        await asyncio.sleep(0.3)
+        assert len(liveness_threads(consumer)) == 1
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+    finally:
+        await broker.shutdown()
+    assert liveness_threads(consumer) == [], "the thread outlived the broker"
