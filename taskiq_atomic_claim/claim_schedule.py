@@ -78,6 +78,21 @@ class ClaimSchedule:
         self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
         self._read_claims_from[stream] = until
 
+    def hold_off_after_outage(self) -> None:
+        """An outage (connections lost, a failover, a server refusing): the
+        pending entries of live workers look idle when it ends, as their
+        heartbeats failed too. Claim nothing, on any stream and either path,
+        until two heartbeats past now: called at each failed call and once
+        more at the first call that works, so live workers (whose heartbeat
+        threads retry within a third of a beat) reset their entries' idle
+        time first. Dead workers' entries wait that much longer."""
+        until = time.monotonic() + 2 * self.settings.idle_timeout / 3000
+        for stream in self.streams:
+            self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
+            self._read_claims_from[stream] = max(
+                self._read_claims_from.get(stream, until), until
+            )
+
     def claiming(self, streams: list[str], started: float) -> None:
         """``streams`` are claimed now: next due one claim interval on."""
         interval = self.settings.claim_interval / 1000

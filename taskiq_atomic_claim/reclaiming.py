@@ -97,6 +97,9 @@ class Listener:
         # Startup steps an outage deferred (groups, checks), run in order
         # before the first read.
         self.deferred_startup: list[Callable[[], Awaitable[None]]] = []
+        # An outage since the last call that worked: claims wait
+        # (ClaimSchedule.hold_off_after_outage).
+        self._recovering = False
 
     def defer_startup(
         self, error: BaseException, step: Callable[[], Awaitable[None]]
@@ -191,6 +194,9 @@ class Listener:
         # (restart, half-open): else every call finds them one at a time.
         await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
+        if fault.is_outage:
+            self.schedule.hold_off_after_outage()
+            self._recovering = True
         if fault is Fault.GROUP_MISSING:
             if group_gone:
                 # Recreating it did not help (say mkstream=False and no
@@ -242,6 +248,10 @@ class Listener:
         self.worked = True
         if not claim_refused:
             self.outage.succeeded()
+        if self._recovering:
+            # From the end of the outage: live workers beat first.
+            self.schedule.hold_off_after_outage()
+            self._recovering = False
 
     def _mark_delivered(self, fetched: Any) -> None:
         for stream, entry_id, _, _ in read_entries(fetched):

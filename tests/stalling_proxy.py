@@ -77,3 +77,60 @@ class StallingProxy:
                 sink.write(data)
                 await sink.drain()
         sink.close()
+
+
+class CuttingProxy:
+    """A loopback TCP proxy that can ``cut()``: every open connection is
+    closed and new ones are closed at once, until ``restore()``. The server
+    keeps its data: what its clients see of a failover or a restart with
+    persistence, when what was in flight is lost with the connection."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.cut_off = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    def cut(self) -> None:
+        self.cut_off = True
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+        self._tasks, self._writers = set(), []
+
+    def restore(self) -> None:
+        self.cut_off = False
+
+    async def __aenter__(self) -> CuttingProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.cut()
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if self.cut_off:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(
+            "127.0.0.1", self.upstream_port
+        )
+        self._writers += [writer, up_writer]
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            self._tasks.add(asyncio.ensure_future(_pump(source, sink)))
+
+
+async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError):
+        while data := await source.read(65536):
+            sink.write(data)
+            await sink.drain()
+    sink.close()

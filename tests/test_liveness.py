@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
@@ -23,8 +24,11 @@ from taskiq.kicker import AsyncKicker
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.harness.drill import Events
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
+from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 from tests.conftest import Server
 from tests.liveness_app import BLOCKING_TASK
+from tests.stalling_proxy import CuttingProxy
+from tests.test_faults import via
 from tests.test_started_semantics import stopped_at_exit, taskiq_worker
 
 # What the defaults promise (README): a killed worker's task runs again
@@ -43,10 +47,11 @@ class LivenessQueue:
         self.events = Events(redis, events_stream(self.name))
         self.kicker = AtomicRedisStreamBroker(server.url, queue_name=self.name)
 
-    def worker(self, name: str) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, url: str = "") -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
-            "TAC_TEST_URL": self.url,
+            "TAC_TEST_URL": url or self.url,
+            "TAC_TEST_EVENTS_URL": self.url,
             "TAC_TEST_QUEUE": self.name,
             "TAC_TEST_WORKER": name,
             "TAC_TEST_IDLE_TIMEOUT": str(self.idle_timeout or ""),
@@ -129,6 +134,44 @@ async def test_a_killed_workers_task_runs_again_within_seconds_at_defaults(
         assert rerun is not None, "the killed worker's task never ran again"
         print(f"recovery at defaults on {server.label}: {rerun - killed:.2f} s")
         assert rerun - killed <= DEFAULT_RECOVERY_S, rerun - killed
+
+
+async def test_after_an_outage_longer_than_idle_timeout_a_live_task_runs_once(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # A failover or a restart as the workers see it, at the defaults: every
+    # connection cut, none taken for longer than idle_timeout, while the
+    # server keeps the pending list, so the running task's entry looks idle
+    # when they are back. The claimer is back first; the holder's
+    # heartbeat a second later.
+    upstream = urlsplit(server.url).port
+    assert upstream is not None
+    async with (
+        liveness_queue(server, redis, tmp_path) as queue,
+        CuttingProxy(upstream) as holder_link,
+        CuttingProxy(upstream) as claimer_link,
+    ):
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("holder", via(server.url, holder_link.port)))
+            await queue.ready("holder")
+            await queue.kick(TASK_NAME, "long", 30.0)
+            deadline = time.monotonic() + 30
+            assert await queue.events.wait_for("started", deadline, "long")
+            workers.append(queue.worker("claimer", via(server.url, claimer_link.port)))
+            await queue.ready("claimer")
+            holder_link.cut()
+            claimer_link.cut()
+            cut_at = time.monotonic()
+            # The claimer's retries come 50 ms after the cut, then doubling
+            # (backoff.py): 6.35 s on, one of them finds the link back.
+            await asyncio.sleep(6.0 - (time.monotonic() - cut_at))
+            claimer_link.restore()
+            await asyncio.sleep(1.5)
+            holder_link.restore()
+            idle_s = DEFAULT_IDLE_TIMEOUT_MS / 1000
+            # Long enough for the claimer to take the entry and report it.
+            await queue.events.wait_for("never", time.monotonic() + 1.5 * idle_s)
+        assert queue.starts("long") == ["holder"], queue.starts("long")
 
 
 def liveness_threads(consumer: str) -> list[threading.Thread]:
