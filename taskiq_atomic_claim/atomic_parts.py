@@ -158,7 +158,9 @@ class AtomicParts:
             self.streams,
             group,
             consumer,
-            LivenessThread(self.in_flight, self.connection, settings.idle_timeout),
+            LivenessThread(
+                self.in_flight, self.connection, settings.idle_timeout, self.streams
+            ),
         )
         self.kicker = Kicker(
             self.scripts,

@@ -116,6 +116,9 @@ class ConsumerReading:
     idle_ms: int
     # Among the PEL's first PEL_SCAN_LIMIT entries, and its longest-idle one.
     oldest_pending_idle_ms: int | None
+    # Its worker's alive key (keys.StreamKeys.alive) exists: the process
+    # lives. None where not read (the gauges do not).
+    alive: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,20 @@ class StreamKeys:
     def trim_gate(self) -> str:
         return trim_gate(self.stream)
 
+    @property
+    def alive_prefix(self) -> str:
+        """What every consumer's ``alive`` key of this pair starts with (the
+        group percent-encoded, so the consumer's name after it is never
+        mistaken for part of it)."""
+        group = self.group.replace("%", "%25").replace(":", "%3A")
+        return f"{PREFIX}:alive:{slot_anchor(self.stream)}:{group}:"
+
+    def alive(self, consumer: str) -> str:
+        """A string (coordination, always expires within idle_timeout):
+        present while ``consumer``'s worker process lives (its liveness
+        thread renews it every beat); what operators read as alive."""
+        return self.alive_prefix + consumer
+
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
         slot = key_slot(self.stream.encode())
@@ -108,5 +122,6 @@ class StreamKeys:
             self.dead_letters,
             self.started,
             self.trim_gate,
+            self.alive_prefix,
         )
         return all(key_slot(key.encode()) == slot for key in keys)

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -52,11 +54,22 @@ class LivenessThread:
     """The idle reset of one consumer's held entries, in a thread of its own."""
 
     def __init__(
-        self, in_flight: EntryLifecycle, connection: Connection, idle_timeout: int
+        self,
+        in_flight: EntryLifecycle,
+        connection: Connection,
+        idle_timeout: int,
+        streams: list[str],
     ) -> None:
         self.in_flight = in_flight
         self.connection = connection
         self.idle_timeout = idle_timeout
+        # This consumer's alive key on each stream's group: renewed every
+        # beat, it expires idle_timeout after the process stops beating.
+        self._announce_refused = False
+        self.alive_keys = [
+            StreamKeys(stream, in_flight.group).alive(in_flight.consumer)
+            for stream in streams
+        ]
         self._thread: threading.Thread | None = None
         # The worker's loop, where results are handed back.
         self._owner: asyncio.AbstractEventLoop | None = None
@@ -135,11 +148,12 @@ class LivenessThread:
         outage = Backoff(
             f"heartbeat {self.in_flight.consumer}", cap=min(MAX_DELAY_S, beat / 3)
         )
-        delay = beat
+        delay = 0.0  # the alive keys at once
         while True:
             await asyncio.sleep(delay)
             try:
                 await self._beat(scripts, client)
+                await self._announce(client)
             except Exception as error:
                 if classify(error) is Fault.UNREACHABLE:
                     # Its connections went with the server: reconnect.
@@ -151,6 +165,30 @@ class LivenessThread:
             else:
                 outage.succeeded()
                 delay = beat
+
+    async def _announce(self, client: ScriptClient) -> None:
+        """Renew this consumer's alive keys: what tells operators a
+        consumer's process lives (a dead one's lapse within idle_timeout)."""
+        now_ms = str(time.time_ns() // 1_000_000)
+        for key in self.alive_keys:
+            try:
+                await within(
+                    REPLY_MARGIN_S,
+                    client.execute_command("SET", key, now_ms, "PX", self.idle_timeout),
+                )
+            except Exception as error:
+                if classify(error).is_outage:
+                    raise
+                # An ACL from before this key (re-run `acl`): the entries'
+                # resets go on; only operators miss the signal.
+                if not self._announce_refused:
+                    logger.warning(
+                        "Consumer %r cannot mark itself alive (%s); operators"
+                        " see it only by its idle time",
+                        self.in_flight.consumer,
+                        error,
+                    )
+                self._announce_refused = True
 
     async def _beat(self, scripts: ScriptRunner, client: ScriptClient) -> None:
         """Reset the idle time of every held entry still owned; report

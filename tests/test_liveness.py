@@ -22,6 +22,8 @@ from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.admin.doctor import Liveness, consumer_liveness
+from taskiq_atomic_claim.admin.inspection import inspect_stream
 from taskiq_atomic_claim.harness.drill import Events
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
@@ -172,6 +174,40 @@ async def test_after_an_outage_longer_than_idle_timeout_a_live_task_runs_once(
             # Long enough for the claimer to take the entry and report it.
             await queue.events.wait_for("never", time.monotonic() + 1.5 * idle_s)
         assert queue.starts("long") == ["holder"], queue.starts("long")
+
+
+async def test_operators_see_a_live_worker_alive_and_a_killed_one_not(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    # What inspect, doctor and the page read: the worker's own alive key,
+    # not its idle time (Redis 7.0 lists a consumer blocked in an empty read
+    # as idle for as long as it waits). Idle 1 s, so a killed worker's key
+    # lapses soon.
+    idle_ms = 1000
+    async with liveness_queue(server, redis, tmp_path, idle_ms) as queue:
+        with stopped_at_exit() as workers:
+            workers.append(queue.worker("one"))
+            await queue.ready("one")
+            # A consumer of the group from its first delivery on.
+            await queue.kick(TASK_NAME, "short", 0.1)
+            deadline = time.monotonic() + 30
+            assert await queue.events.wait_for("finished", deadline, "short")
+            await asyncio.sleep(3 * idle_ms / 1000)
+            [(name, live)] = (await consumer_states(redis, queue.name, idle_ms)).items()
+            assert live == Liveness.LIVE
+            os.killpg(workers[0].pid, signal.SIGKILL)
+            await asyncio.sleep(1.5 * idle_ms / 1000)
+            assert (await consumer_states(redis, queue.name, idle_ms)) == {
+                name: Liveness.QUIET
+            }
+
+
+async def consumer_states(
+    redis: Redis, stream: str, idle_ms: int
+) -> dict[str, Liveness]:
+    view = await inspect_stream(redis, stream, "taskiq")
+    [group] = view.groups
+    return {c.name: consumer_liveness(c, idle_ms) for c in group.consumers}
 
 
 def liveness_threads(consumer: str) -> list[threading.Thread]:

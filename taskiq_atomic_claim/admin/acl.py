@@ -87,6 +87,7 @@ Keys, per stream S:
     ~taskiq-atomic-claim:dead:{S}:S:G
     ~taskiq-atomic-claim:started:{S}:S:G
     ~taskiq-atomic-claim:trim:{S}:S
+    ~taskiq-atomic-claim:alive:{S}:S:G:*
   (Inside the braces, the part of S Redis hashes: its hash tag, or all of
   S; after them, S with % and : percent-encoded; see keys.py.)
   Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
@@ -147,6 +148,8 @@ def worker_key_patterns(
             keys.trim_gate,
         ):
             patterns.append("~" + (acl_pattern(key) if literal else key))
+        alive = keys.alive_prefix
+        patterns.append("~" + (acl_pattern(alive) if literal else alive) + "*")
     return list(dict.fromkeys(patterns))
 
 

@@ -94,7 +94,7 @@ class Severity(Enum):
 
 
 class Liveness(Enum):
-    LIVE = "live"  # talked to the server within the idle timeout
+    LIVE = "live"  # its process marks itself alive, or it talked lately
     DEAD = "dead"  # holds entries idle past the idle timeout, and is silent
     QUIET = "quiet"  # silent past the idle timeout, holding nothing overdue
 
@@ -102,12 +102,15 @@ class Liveness(Enum):
 def consumer_liveness(consumer: ConsumerReading, idle_timeout_ms: int) -> Liveness:
     """Whether a consumer's worker is alive, from what the server shows now.
 
-    Idle time alone cannot tell: on Redis < 7.2 a live worker blocked on an
-    empty queue can look idle for minutes. A worker that holds an entry idle
-    past the idle timeout is gone, though: a live one's heartbeat keeps its
+    A worker of this package marks itself alive (its liveness thread renews
+    a key that lapses within idle_timeout once the process is gone): that
+    decides. Without it (a worker of another release or package), idle time
+    alone cannot tell: on Redis < 7.2 a live worker blocked on an empty
+    queue can look idle for minutes. A worker that holds an entry idle past
+    the idle timeout is gone, though: a live one's heartbeat keeps its
     entries fresh. The one place that decides; the page and doctor ask it.
     """
-    if consumer.idle_ms <= idle_timeout_ms:
+    if consumer.alive or consumer.idle_ms <= idle_timeout_ms:
         return Liveness.LIVE
     overdue = consumer.oldest_pending_idle_ms or 0
     if consumer.pending and overdue > idle_timeout_ms:

@@ -15,6 +15,7 @@ Names are decoded as UTF-8; bytes that are not UTF-8 appear as ``\\xNN``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,28 @@ def _first_consumers(
     return sorted(consumers, key=lambda c: c.name)
 
 
+# Alive keys read per MGET: each call's reply stays bounded.
+ALIVE_CHUNK = 1000
+
+
+async def _with_liveness(
+    client: ScriptClient, keys: StreamKeys, consumers: list[ConsumerReading]
+) -> list[ConsumerReading]:
+    """The consumers, each marked alive or not by its worker's alive key
+    (one slot: on Cluster too, one MGET per chunk)."""
+    marked: list[ConsumerReading] = []
+    for first in range(0, len(consumers), ALIVE_CHUNK):
+        chunk = consumers[first : first + ALIVE_CHUNK]
+        found = await client.execute_command(
+            "MGET", *(keys.alive(consumer.name) for consumer in chunk)
+        )
+        marked += [
+            dataclasses.replace(consumer, alive=value is not None)
+            for consumer, value in zip(chunk, found, strict=True)
+        ]
+    return marked
+
+
 async def inspect_stream(
     client: ScriptClient,
     stream: str,
@@ -164,6 +187,9 @@ async def inspect_stream(
         lease = await _key_view(client, keys.lease)
         cursor = await _key_view(client, keys.cursor)
         reading = await read_group(client, stream, name, found.groups.get(name))
+        reading = dataclasses.replace(
+            reading, consumers=await _with_liveness(client, keys, reading.consumers)
+        )
         groups.append(
             GroupView(
                 name=name,
