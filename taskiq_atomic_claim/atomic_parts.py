@@ -98,6 +98,14 @@ class AtomicParts:
             DeadLetterResults(lambda: broker.result_backend),
             stand_aside=self.schedule.stand_aside,
             connect=connection.connect,
+            per_slot=connection.per_slot,
+            # A read blocks this long at most (see GroupReads.read).
+            longest_read_s=(
+                min(broker.block, settings.claim_interval)
+                if broker.block
+                else settings.claim_interval
+            )
+            / 1000,
         )
         self.connection = connection
         before_call = self.connection.before_call
@@ -124,7 +132,7 @@ class AtomicParts:
             settings.idle_timeout,
             positions,
             before_call=before_call,
-            direct=self.connection.owns_one_server_pool,
+            finished=self.in_flight.finished,
         )
         self.groups = ConsumerGroups(
             self.streams, group, broker.consumer_id, broker.mkstream, positions

@@ -27,10 +27,10 @@ from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.heartbeat import Heartbeat
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativePathReads
-from taskiq_atomic_claim.pipelined import PipelinedCalls
-from taskiq_atomic_claim.reads import LuaPathReads, read_entries
+from taskiq_atomic_claim.reads import LuaPathReads
 from taskiq_atomic_claim.receiver_hooks import hook_receiver
 from taskiq_atomic_claim.reclaim_path import PathChoice
+from taskiq_atomic_claim.replies import read_entries
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -98,8 +98,9 @@ class Listener:
         # Under OOM claims are refused while reads work: such an outage
         # lasts until a claim works again, not until the next read.
         claim_refused = claiming = False
-        async with self.connection.listen_client(self._mark_delivered) as client:
-            self._pipeline_over(client)
+        async with self.connection.listen_client(
+            self._mark_delivered, self.in_flight.finished
+        ) as client:
             while True:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
@@ -200,12 +201,6 @@ class Listener:
     def _mark_delivered(self, fetched: Any) -> None:
         for stream, entry_id, _, _ in read_entries(fetched):
             self.in_flight.add(stream, [entry_id])
-
-    def _pipeline_over(self, client: ScriptClient) -> None:
-        if self.connection.owns_one_server_pool and self.in_flight.pipelined is None:
-            pipelined = PipelinedCalls(client)
-            if pipelined.available:
-                self.in_flight.pipelined = pipelined
 
     def _begin_listening(self, broker: AsyncBroker) -> None:
         """What a new listen() (one new connection) starts from."""

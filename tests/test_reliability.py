@@ -577,10 +577,6 @@ async def test_a_cancel_swallowed_inside_a_read_still_stops_listen(
         claim_interval=30_000,
         xread_block=5000,
     )
-    # Reads through redis-py, as the Sentinel broker's do (the standalone
-    # broker parses its reads itself, reads.read_direct, and swallows
-    # nothing there); every broker's claims go through redis-py too.
-    broker.atomic.reads.direct = False
     try:
         waiting = asyncio.ensure_future(broker.listen().__anext__())
         await blocked_in_xreadgroup(redis)  # past the first claim
