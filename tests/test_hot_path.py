@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import collections
+import contextlib
 import os
 import time
 import uuid
@@ -17,10 +18,14 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
+from taskiq.utils import maybe_awaitable
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from tests.conftest import Server
 from tests.hot_path_app import TASK_NAME
+from tests.test_broker import message
+from tests.test_faults import via
+from tests.test_reliability import started
 from tests.test_started_semantics import stop_gracefully, stopped_at_exit, taskiq_worker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,3 +211,81 @@ def test_the_private_name_check_finds_what_it_looks_for() -> None:
             "getattr(..., '_free')",
         ]
     )
+
+
+class ReplyDelayingProxy:
+    """A loopback TCP proxy that passes commands on at once and replies
+    ``delay_s`` late: the server runs a command before the client hears."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        self.upstream_port = upstream_port
+        self.delay_s = delay_s
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> ReplyDelayingProxy:
+        self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+
+    async def accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        up_reader, up_writer = await asyncio.open_connection(
+            "127.0.0.1", self.upstream_port
+        )
+        for source, sink, delay in ((reader, up_writer, 0.0), (up_reader, writer, 1)):
+            task = asyncio.ensure_future(self.pump(source, sink, delay * self.delay_s))
+            self.tasks.add(task)
+
+    @staticmethod
+    async def pump(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, delay_s: float
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await source.read(65536):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                sink.write(data)
+                await sink.drain()
+        sink.close()
+
+
+async def test_an_entry_acked_while_a_claiming_read_was_in_flight_is_not_yielded(
+    server: Server, redis: Redis
+) -> None:
+    # The read runs on the server before the ack and reclaims the entry
+    # (idle past idle_timeout), but its reply arrives after the ack's.
+    if not server.info.native_claim or server.local is None:
+        pytest.skip("reads reclaim on Redis >= 8.4; a proxy needs a local server")
+    broker = await started(server, idle_timeout=1000)
+    try:
+        await broker.kick(message("once"))
+        delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
+        entry_id = delivered.data.entry_id  # type: ignore[attr-defined]
+        await redis.xclaim(
+            "taskiq", "taskiq", broker.consumer_name, 0, [entry_id], idle=5000,
+            justid=True,
+        )  # fmt: skip
+        async with ReplyDelayingProxy(server.local.port, 0.5) as proxy:
+            slow = Redis.from_url(via(server.url, proxy.port))
+            try:
+                reads = broker.atomic.reads
+                read = asyncio.create_task(
+                    reads.read(slow, {"taskiq": ">"}, time.monotonic() + 1, claim=True)
+                )
+                await asyncio.sleep(0.2)  # run by the server, reply held
+                await maybe_awaitable(delivered.ack())
+                assert not read.done()
+                returned = [e for _, e, _, _ in await asyncio.wait_for(read, 5)]
+            finally:
+                await slow.aclose()
+        assert returned == [], "a finished entry came back from a read"
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
