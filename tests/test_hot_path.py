@@ -263,18 +263,19 @@ async def test_an_entry_acked_while_a_claiming_read_was_in_flight_is_not_yielded
     # (idle past idle_timeout), but its reply arrives after the ack's.
     if not server.info.native_claim or server.local is None:
         pytest.skip("reads reclaim on Redis >= 8.4; a proxy needs a local server")
-    broker = await started(server, idle_timeout=1000)
+    broker = await started(server, idle_timeout=60_000)
     try:
         await broker.kick(message("once"))
         delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
         entry_id = delivered.data.entry_id  # type: ignore[attr-defined]
         await redis.xclaim(
-            "taskiq", "taskiq", broker.consumer_name, 0, [entry_id], idle=5000,
+            "taskiq", "taskiq", broker.consumer_name, 0, [entry_id], idle=120_000,
             justid=True,
         )  # fmt: skip
         async with ReplyDelayingProxy(server.local.port, 0.5) as proxy:
             slow = Redis.from_url(via(server.url, proxy.port))
             try:
+                await slow.ping()  # connected: the read goes out at once
                 reads = broker.atomic.reads
                 read = asyncio.create_task(
                     reads.read(slow, {"taskiq": ">"}, time.monotonic() + 1, claim=True)
