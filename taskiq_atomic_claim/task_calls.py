@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.server_calls import within
-from taskiq_atomic_claim.task_records import ack_commands, start_commands
+from taskiq_atomic_claim.task_records import ack_commands, record_many_starts
 
 Item = TypeVar("Item")
 Waiting = list[tuple[Item, asyncio.Future[None]]]
@@ -109,15 +109,15 @@ class TaskCalls:
         await self.acks.settled()
 
     async def send_starts(self, batch: Waiting[Start]) -> None:
-        hashes: dict[str, tuple[int, list[str]]] = {}
+        hashes: dict[str, tuple[str, int, list[str]]] = {}
         for (started, ttl_ms, entry_id), _ in batch:
-            hashes.setdefault(started, (ttl_ms, []))[1].append(entry_id)
+            hashes.setdefault(started, (started, ttl_ms, []))[2].append(entry_id)
         async with self.connect() as client:
             if not self.per_slot:
-                await _transaction(client, list(hashes.items()))
+                await record_many_starts(client, list(hashes.values()))
                 return
             outcomes = await asyncio.gather(
-                *(_transaction(client, [each]) for each in hashes.items()),
+                *(record_many_starts(client, [each]) for each in hashes.values()),
                 return_exceptions=True,
             )
         failed = {
@@ -149,13 +149,3 @@ class TaskCalls:
             error = failed.get((stream, started, group, delete_acked))
             if error is not None:
                 future.set_exception(error)
-
-
-async def _transaction(
-    client: Any, hashes: list[tuple[str, tuple[int, list[str]]]]
-) -> None:
-    async with client.pipeline(transaction=True) as pipe:
-        for started, (ttl_ms, ids) in hashes:
-            for command in start_commands(started, ttl_ms, ids):
-                pipe.execute_command(*command)
-        await pipe.execute()
