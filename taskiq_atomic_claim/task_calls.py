@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.server_calls import within
-from taskiq_atomic_claim.task_records import ack_commands, record_many_starts
+from taskiq_atomic_claim.task_records import (
+    ack_commands,
+    record_many_starts,
+    start_commands,
+)
 
 Item = TypeVar("Item")
 Waiting = list[tuple[Item, asyncio.Future[None]]]
@@ -84,68 +88,114 @@ class TurnBatch(Generic[Item]):
 Start = tuple[str, int, str]
 # (stream, started hash, group, delete_acked, entry id)
 Ack = tuple[str, str, str, bool, str]
+AckGroup = tuple[str, str, str, bool]
 
 
 class TaskCalls:
-    """Starts and acks through ``connect``'s client, batched per loop
-    turn. ``per_slot``: a transaction per started hash (Cluster)."""
+    """Starts and acks through ``connect``'s client, those of one loop turn
+    in one call. On one server that call is one pipeline: the starts'
+    MULTI ... EXEC, then the acks (outside the transaction: out of memory
+    the server refuses the starts, never the acks). ``per_slot`` (Cluster):
+    a transaction per started hash and a pipeline of acks, concurrently."""
 
     def __init__(self, connect: Connect, deadline_s: float, per_slot: bool) -> None:
         self.connect = connect
         self.per_slot = per_slot
-        self.starts: TurnBatch[Start] = TurnBatch(self.send_starts, deadline_s)
-        self.acks: TurnBatch[Ack] = TurnBatch(self.send_acks, deadline_s)
+        self.calls: TurnBatch[Start | Ack] = TurnBatch(self.send, deadline_s)
 
     def start(self, started: str, ttl_ms: int, entry_id: str) -> Awaitable[None]:
-        return self.starts.add((started, ttl_ms, entry_id))
+        return self.calls.add((started, ttl_ms, entry_id))
 
     def ack(
         self, stream: str, started: str, group: str, delete_acked: bool, entry_id: str
     ) -> Awaitable[None]:
-        return self.acks.add((stream, started, group, delete_acked, entry_id))
+        return self.calls.add((stream, started, group, delete_acked, entry_id))
 
     async def settled(self) -> None:
-        await self.starts.settled()
-        await self.acks.settled()
+        await self.calls.settled()
 
-    async def send_starts(self, batch: Waiting[Start]) -> None:
+    async def send(self, batch: Waiting[Start | Ack]) -> None:
         hashes: dict[str, tuple[str, int, list[str]]] = {}
-        for (started, ttl_ms, entry_id), _ in batch:
-            hashes.setdefault(started, (started, ttl_ms, []))[2].append(entry_id)
+        acks: dict[AckGroup, list[str]] = {}
+        for call, _ in batch:
+            if len(call) == 3:
+                started, ttl_ms, entry_id = call
+                hashes.setdefault(started, (started, ttl_ms, []))[2].append(entry_id)
+            else:
+                stream, started, group, delete_acked, entry_id = call
+                key = (stream, started, group, delete_acked)
+                acks.setdefault(key, []).append(entry_id)
         async with self.connect() as client:
-            if not self.per_slot:
-                await record_many_starts(client, list(hashes.values()))
-                return
-            outcomes = await asyncio.gather(
-                *(record_many_starts(client, [each]) for each in hashes.values()),
-                return_exceptions=True,
-            )
-        failed = {
-            started: outcome
-            for started, outcome in zip(hashes, outcomes, strict=True)
-            if isinstance(outcome, BaseException)
-        }
-        for (started, _, _), future in batch:
-            if started in failed:
-                future.set_exception(failed[started])
-
-    async def send_acks(self, batch: Waiting[Ack]) -> None:
-        acks: dict[tuple[str, str, str, bool], list[str]] = {}
-        for (stream, started, group, delete_acked, entry_id), _ in batch:
-            acks.setdefault((stream, started, group, delete_acked), []).append(entry_id)
-        async with self.connect() as client, client.pipeline(transaction=False) as pipe:
-            for (stream, started, group, delete_acked), ids in acks.items():
-                for command in ack_commands(stream, started, group, ids, delete_acked):
-                    pipe.execute_command(*command)
-            replies = await pipe.execute(raise_on_error=False)
-        # The XACK's reply says whether the ack worked; a failed HDEL only
-        # leaves a count in an expiring hash, counting nothing.
-        failed = {
-            key: reply
-            for key, reply in zip(acks, replies[::2], strict=True)
-            if isinstance(reply, Exception)
-        }
-        for (stream, started, group, delete_acked, _), future in batch:
-            error = failed.get((stream, started, group, delete_acked))
+            if self.per_slot:
+                failed = await _per_slot(client, hashes, acks)
+            else:
+                failed = await _one_pipeline(client, hashes, acks)
+        if not failed:
+            return
+        for call, future in batch:
+            error = failed.get(call[0] if len(call) == 3 else call[:4])
             if error is not None:
                 future.set_exception(error)
+
+
+async def _one_pipeline(
+    client: Any,
+    hashes: dict[str, tuple[str, int, list[str]]],
+    acks: dict[AckGroup, list[str]],
+) -> dict[Any, Exception]:
+    """Starts and acks in one pipeline; what failed, by started hash or
+    ack group."""
+    async with client.pipeline(transaction=False) as pipe:
+        if hashes:
+            pipe.execute_command("MULTI")
+            for started, ttl_ms, ids in hashes.values():
+                for command in start_commands(started, ttl_ms, ids):
+                    pipe.execute_command(*command)
+            pipe.execute_command("EXEC")
+        for (stream, started, group, delete_acked), ids in acks.items():
+            for command in ack_commands(stream, started, group, ids, delete_acked):
+                pipe.execute_command(*command)
+        replies = await pipe.execute(raise_on_error=False)
+    failed: dict[Any, Exception] = {}
+    acked = replies
+    if hashes:
+        queued = sum(len(ids) + 2 for _, _, ids in hashes.values())
+        # A command refused as queued (out of memory) aborts the EXEC.
+        exec_reply = replies[queued + 1]
+        if isinstance(exec_reply, Exception):
+            failed.update(dict.fromkeys(hashes, exec_reply))
+        acked = replies[queued + 2 :]
+    # The XACK's reply says whether the ack worked; a failed HDEL only
+    # leaves a count in an expiring hash, counting nothing.
+    for key, reply in zip(acks, acked[::2], strict=True):
+        if isinstance(reply, Exception):
+            failed[key] = reply
+    return failed
+
+
+async def _per_slot(
+    client: Any,
+    hashes: dict[str, tuple[str, int, list[str]]],
+    acks: dict[AckGroup, list[str]],
+) -> dict[Any, Exception]:
+    """Cluster: a transaction's keys share one slot; a plain pipeline is
+    routed by key."""
+    failed: dict[Any, Exception] = {}
+
+    async def start(started: str, each: tuple[str, int, list[str]]) -> None:
+        try:
+            await record_many_starts(client, [each])
+        except Exception as error:
+            failed[started] = error
+
+    async def ack() -> None:
+        try:
+            failed.update(await _one_pipeline(client, {}, acks))
+        except Exception as error:
+            failed.update(dict.fromkeys(acks, error))
+
+    await asyncio.gather(
+        *(start(started, each) for started, each in hashes.items()),
+        *([ack()] if acks else []),
+    )
+    return failed
