@@ -69,7 +69,8 @@ class TurnBatch(Generic[Item]):
                             future.set_exception(failure)
                     if not isinstance(error, Exception):
                         for _, future in self.queued:
-                            future.set_exception(failure)
+                            if not future.done():
+                                future.set_exception(failure)
                         self.queued = []
                         raise
                 for _, future in batch:
@@ -134,7 +135,7 @@ class TaskCalls:
             return
         for call, future in batch:
             error = failed.get(call[0] if len(call) == 3 else call[:4])
-            if error is not None:
+            if error is not None and not future.done():  # else cancelled
                 future.set_exception(error)
 
 
