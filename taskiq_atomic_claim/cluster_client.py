@@ -381,11 +381,9 @@ class SlotRoutedClient:
                 await task
 
 
-# Per node, every connection seen by ``_drop_closed_connections``: one it
-# has not seen is new, made because none was left idle.
-_SEEN: weakref.WeakKeyDictionary[ClusterNode, weakref.WeakSet[Any]] = (
-    weakref.WeakKeyDictionary()
-)
+# Every node connection ``_drop_closed_connections`` has seen: one it has
+# not seen is new, made because the node had none idle left.
+_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 async def _drop_closed_connections(node: ClusterNode) -> None:
@@ -394,7 +392,6 @@ async def _drop_closed_connections(node: ClusterNode) -> None:
     which would read as "may have been added". redis-py's own pool checks a
     connection before handing it out; a cluster node's does not. Each idle
     one is taken and given back in turn, until the node makes a new one."""
-    seen = _SEEN.setdefault(node, weakref.WeakSet())
     taken: list[Any] = []
     try:
         while True:
@@ -403,8 +400,8 @@ async def _drop_closed_connections(node: ClusterNode) -> None:
             except MaxConnectionsError:
                 break
             taken.append(connection)
-            new = connection not in seen
-            seen.add(connection)
+            new = connection not in _SEEN
+            _SEEN.add(connection)
             if new and not connection.is_connected:
                 break
             if connection.is_connected and await _closed_by_server(connection):

@@ -15,7 +15,7 @@ every transition, from its read to its ack or its other ends.
   ``max_deliveries``;
 - and then one of:
   - acked: forgotten here and on the server (``task_calls.py``;
-    ``tracked_ack``), and never yielded again (``reads.FinishedEntries``);
+    ``tracked_ack``), and never yielded again (``finished.py``);
   - declined: its task unknown here, handed back for a worker that knows it
     (``decline``);
   - dead-lettered: in place of its ack (``dead_letter``; when, and why, is
@@ -272,6 +272,8 @@ class EntryLifecycle:
             )
         except Exception as error:
             _start_not_recorded(delivery, error)
+            # The pool's idle connections most likely went with this one.
+            await drop_idle_connections(self.connect, error)
             return
         delivery.started = True
 
