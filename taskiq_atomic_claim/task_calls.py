@@ -1,5 +1,6 @@
 """Every task's start and ack, sent through redis-py's pipelines: the calls
-made in one turn of the event loop go out together (``TurnBatch``).
+made in one turn of the event loop (under load, within a millisecond)
+go out together (``TurnBatch``).
 
 Starts go as one transaction (``task_records.py``'s commands; on Cluster
 one per started hash, as a transaction's keys share one slot), acks as one
@@ -24,13 +25,18 @@ from taskiq_atomic_claim.task_records import (
 )
 
 Item = TypeVar("Item")
+# Seconds a call waits for company when the last one went out less than
+# this long ago: each call costs the worker a pipeline (a connection from
+# the pool, a write, a read), and taskiq hands over its tasks one at a time.
+GATHER_S = 0.001
 Waiting = list[tuple[Item, asyncio.Future[None]]]
 
 
 class TurnBatch(Generic[Item]):
-    """Items added in one turn of the loop, sent by one call of ``send``;
-    one call at a time, within ``deadline_s``. ``send`` settles each
-    item's future; those it leaves unsettled share its outcome."""
+    """Items added in one turn of the loop (or, under load, within
+    ``GATHER_S`` of the last call), sent by one call of ``send``; one call
+    at a time, within ``deadline_s``. ``send`` settles each item's future;
+    those it leaves unsettled share its outcome."""
 
     def __init__(
         self,
@@ -41,6 +47,7 @@ class TurnBatch(Generic[Item]):
         self.deadline_s = deadline_s
         self.queued: Waiting[Item] = []
         self.sending: asyncio.Task[None] | None = None
+        self.last_sent = float("-inf")
 
     def add(self, item: Item) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
@@ -54,7 +61,14 @@ class TurnBatch(Generic[Item]):
 
     async def send_all(self) -> None:
         try:
+            loop = asyncio.get_running_loop()
             while self.queued:
+                # Calls closer together than GATHER_S (a busy worker) wait
+                # for company; an idle worker's call goes at once.
+                wait = self.last_sent + GATHER_S - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self.last_sent = loop.time()
                 batch, self.queued = self.queued, []
                 try:
                     await within(self.deadline_s, self.send(batch))
