@@ -1,13 +1,11 @@
 """Every task's start and ack, sent through redis-py's pipelines: the calls
 made in one turn of the event loop (under load, within a millisecond)
-go out together (``TurnBatch``).
+go out together (``TurnBatch``), in one pipeline (``TaskCalls``).
 
-Starts go as one transaction (``task_records.py``'s commands; on Cluster
-one per started hash, as a transaction's keys share one slot), acks as one
-plain pipeline. Each caller awaits its own reply: a start is on the server
-before its task runs (so a worker killed by its task at once has the crash
-counted), an ack before its task's slot is free. While a batch is in
-flight the next one gathers, so a busy worker's calls share round trips.
+Each caller awaits its own reply: a start is on the server before its task
+runs (so a worker killed by its task at once has the crash counted), an
+ack before its task's slot is free. While a call is in flight the next one
+gathers, so a busy worker's calls share round trips.
 """
 
 from __future__ import annotations
