@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import functools
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,7 +46,6 @@ from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     ClusterError,
-    MaxConnectionsError,
     MovedError,
     RedisClusterException,
     ResponseError,
@@ -153,8 +151,7 @@ class SlotRoutedClient:
         if command in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
             return await self._on_slot(text(args[3]), args, options)
         if command in _KICK_COMMANDS:
-            await _drop_closed_connections(await self.primary_for(text(args[1])))
-            return await self._on_slot(text(args[1]), args, options)
+            return await self._kick(text(args[1]), args, options)
         return await self.cluster.execute_command(*args, **options)
 
     async def _on_slot(self, key: str, args: Any, options: dict[str, Any]) -> Any:
@@ -170,6 +167,31 @@ class SlotRoutedClient:
                 raise
             # "TTL exhausted.": never run, so it is safe to send again.
             return await self._following_ask(key, args, options, error)
+
+    async def _kick(self, key: str, args: Any, options: dict[str, Any]) -> Any:
+        """``args`` on the primary serving ``key``'s slot, once, on an idle
+        connection checked first: one its server closed (killed, restarted)
+        fails after sending, which reads as "may have been added" (redis-py's
+        own pool checks a connection before handing it out; a cluster
+        node's does not). Redirected, it was not run: sent the usual way."""
+        node = await self.primary_for(key)
+        connection = node.acquire_connection()
+        try:
+            if connection.is_connected and await _closed_by_server(connection):
+                await connection.disconnect()
+            await connection.send_packed_command(connection.pack_command(*args))
+            return await node.parse_response(connection, args[0], **options)
+        except AskError:  # or MOVED: the reply was read, nothing ran
+            pass
+        except ResponseError:
+            raise
+        except BaseException:
+            # Maybe a reply left unread: never reuse it.
+            await connection.disconnect()
+            raise
+        finally:
+            node.release(connection)
+        return await self._on_slot(key, args, options)
 
     async def _following_ask(
         self, key: str, args: Any, options: dict[str, Any], gave_up: Exception
@@ -379,36 +401,6 @@ class SlotRoutedClient:
         for task in reads:
             with contextlib.suppress(BaseException):
                 await task
-
-
-# Every node connection ``_drop_closed_connections`` has seen: one it has
-# not seen is new, made because the node had none idle left.
-_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-async def _drop_closed_connections(node: ClusterNode) -> None:
-    """Close ``node``'s idle connections that its server already closed (it
-    was killed or restarted): a kick written on one fails after sending,
-    which would read as "may have been added". redis-py's own pool checks a
-    connection before handing it out; a cluster node's does not. Each idle
-    one is taken and given back in turn, until the node makes a new one."""
-    taken: list[Any] = []
-    try:
-        while True:
-            try:
-                connection = node.acquire_connection()
-            except MaxConnectionsError:
-                break
-            taken.append(connection)
-            new = connection not in _SEEN
-            _SEEN.add(connection)
-            if new and not connection.is_connected:
-                break
-            if connection.is_connected and await _closed_by_server(connection):
-                await connection.disconnect()
-    finally:
-        for connection in taken:
-            node.release(connection)
 
 
 async def _closed_by_server(connection: Any) -> bool:
