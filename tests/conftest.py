@@ -263,6 +263,9 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     # What they read is inspect's (test_inspect runs the matrix).
     "test_gauges": ("redis-8.6.3", "redis-7.0.15"),
     "test_serve": ("redis-7.0.15",),
+    # Real workers; 8.6: the native path, where a read can reclaim an entry
+    # whose ack is in flight (both passed when written).
+    "test_hot_path": ("redis-8.6.3", "redis-7.0.15"),
 }
 
 
