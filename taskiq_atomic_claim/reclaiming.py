@@ -44,6 +44,8 @@ from taskiq_atomic_claim.stream_setup import ConsumerGroups
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
+ClaimedEntry = tuple[str, str, dict[Any, Any]]
+
 
 class Listener:
     """One consumer's listen loop and the acks of what it delivered."""
@@ -114,12 +116,9 @@ class Listener:
                     due = [] if reads_reclaim else self.schedule.due_streams()
                     if due and not read_turn:
                         claiming = True
-                        batch = await within(
-                            REPLY_MARGIN_S * len(due),
-                            self.claims.claim_all(client, due),
-                        )
+                        claimed, batch = await self.claim(client, due)
                         claiming = claim_refused = False
-                        read_turn = bool(batch)
+                        read_turn = bool(claimed)
                     if not batch:
                         # The read blocks until the next claim at most.
                         read_turn = False
@@ -153,6 +152,29 @@ class Listener:
                         # it is reclaimed and tried again.
                         self.in_flight.discard(stream, entry_id)
                         await outage.wait(error)
+
+    async def claim(
+        self, client: ScriptClient, due: list[str]
+    ) -> tuple[list[ClaimedEntry], list[ClaimedEntry]]:
+        """The Lua path's claim of ``due`` streams: what it took, and that
+        minus what this consumer finished while it ran (see
+        ``FinishedEntries``: its ack's reply may come first)."""
+        finished = self.in_flight.finished
+        number = finished.read_sent()
+        try:
+            claimed = await within(
+                REPLY_MARGIN_S * len(due), self.claims.claim_all(client, due)
+            )
+            kept = finished.screened(number, claimed)
+        finally:
+            finished.read_done(number)
+        if len(kept) < len(claimed):
+            # The claim held them (claim_all): no longer.
+            kept_ids = {(stream, entry_id) for stream, entry_id, _ in kept}
+            for stream, entry_id, _ in claimed:
+                if (stream, entry_id) not in kept_ids:
+                    self.in_flight.discard(stream, entry_id)
+        return claimed, kept
 
     async def _wait_out(
         self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool

@@ -290,3 +290,43 @@ async def test_an_entry_acked_while_a_claiming_read_was_in_flight_is_not_yielded
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
+
+
+async def test_an_entry_acked_while_a_claim_was_in_flight_is_not_yielded(
+    server: Server, redis: Redis
+) -> None:
+    # The Lua path's claim, as the native read above: run by the server
+    # before the ack, its reply heard after the ack's.
+    if server.local is None:
+        pytest.skip("a proxy needs a local server")
+    broker = await started(server, idle_timeout=60_000)
+    try:
+        await broker.kick(message("once"))
+        delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
+        entry_id = delivered.data.entry_id  # type: ignore[attr-defined]
+        await redis.xclaim(
+            "taskiq", "taskiq", broker.consumer_name, 0, [entry_id], idle=120_000,
+            justid=True,
+        )  # fmt: skip
+        async with ReplyDelayingProxy(server.local.port, 0.5) as proxy:
+            slow = Redis.from_url(via(server.url, proxy.port))
+            try:
+                await slow.ping()  # connected: the claim goes out at once
+                await broker.atomic.scripts.mode(slow)  # scripts loaded
+                claim = asyncio.create_task(
+                    broker.atomic.listener.claim(slow, ["taskiq"])
+                )
+                # Both its steps (the script, then the fetch of fields, each
+                # reply held 0.5 s) run by the server, the last reply held.
+                await asyncio.sleep(0.75)
+                await maybe_awaitable(delivered.ack())
+                assert not claim.done()
+                claimed, kept = await asyncio.wait_for(claim, 10)
+            finally:
+                await slow.aclose()
+        assert [e for _, e, _ in claimed] == [entry_id], "nothing was tested"
+        assert kept == [], "a finished entry came back from a claim"
+        assert broker.atomic.in_flight.get("taskiq", entry_id) is None
+        assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
+    finally:
+        await broker.shutdown()
