@@ -132,7 +132,6 @@ class AtomicParts:
             settings.idle_timeout,
             positions,
             before_call=before_call,
-            finished=self.in_flight.finished,
         )
         self.groups = ConsumerGroups(
             self.streams, group, broker.consumer_id, broker.mkstream, positions

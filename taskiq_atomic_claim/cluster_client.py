@@ -127,9 +127,9 @@ class SlotRoutedClient:
     ) -> None:
         self.cluster = cluster
         self._on_delivered = on_delivered
-        # Screened out of each read as it completes (reads outlive calls).
+        # Screened out of each read as it completes (reads outlive calls,
+        # and on_delivered holds their entries at once).
         self.finished = FinishedEntries() if finished is None else finished
-        self.screens_finished = True
         self._reads: dict[tuple[str, ...], asyncio.Task[StreamEntries]] = {}
         # A failed read whose siblings brought entries: raised next call,
         # after those entries have been handed over.

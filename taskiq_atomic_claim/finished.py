@@ -15,7 +15,8 @@ class FinishedEntries:
     such a read can still return it (``XREADGROUP ... CLAIM`` on Redis >=
     8.4 reclaims an entry whose ack the server had not yet run, and the
     ack's reply can come first). A read sent later cannot: the server ran
-    the ack before it. Reads are numbered as they are sent."""
+    the ack before it. Reads are numbered as they are sent, and done once
+    their entries are held."""
 
     def __init__(self) -> None:
         self.sent = 0

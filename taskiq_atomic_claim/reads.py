@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from taskiq_atomic_claim.claim_schedule import BeforeCall, ClaimSchedule, no_check
-from taskiq_atomic_claim.finished import FinishedEntries
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.replies import ReadEntry, read_entries
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
@@ -33,7 +32,6 @@ class GroupReads:
         positions: GroupPositions,
         *,
         before_call: BeforeCall = no_check,
-        finished: FinishedEntries | None = None,
     ) -> None:
         self.group = group
         self.consumer = consumer
@@ -45,7 +43,6 @@ class GroupReads:
         # default); reads, at least every xread_block, check for a replaced
         # master too.
         self.before_call = before_call
-        self.finished = FinishedEntries() if finished is None else finished
 
     async def read(
         self,
@@ -66,25 +63,15 @@ class GroupReads:
             (min(self.block_ms, until) if self.block_ms else until) if block else None
         )
         extra = {"claim_min_idle_time": self.idle_timeout_ms} if claim else {}
-        # A client that keeps reads outstanding across calls (Cluster)
-        # screens each read itself, as it completes.
-        screens = getattr(client, "screens_finished", False)
-        read_number = 0 if screens else self.finished.read_sent()
-        try:
-            fetched = await client.xreadgroup(
-                self.group,
-                self.consumer,
-                read_from,
-                block=block_ms,
-                count=self.count,
-                **extra,
-            )
-            read = read_entries(fetched)
-            if not screens:
-                read = self.finished.screened(read_number, read)
-        finally:
-            if not screens:
-                self.finished.read_done(read_number)
+        fetched = await client.xreadgroup(
+            self.group,
+            self.consumer,
+            read_from,
+            block=block_ms,
+            count=self.count,
+            **extra,
+        )
+        read = read_entries(fetched)
         for stream, entry_id, _, _ in read:
             self.positions.advance(stream, entry_id)
         return read

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
 
 from taskiq import AckableMessage, AsyncBroker
 
@@ -45,6 +45,7 @@ from taskiq_atomic_claim.stream_setup import ConsumerGroups
 logger = logging.getLogger("taskiq.atomic_claim")
 
 ClaimedEntry = tuple[str, str, dict[Any, Any]]
+Entry = TypeVar("Entry", bound=tuple[Any, ...])
 
 
 class Listener:
@@ -123,7 +124,7 @@ class Listener:
                         # The read blocks until the next claim at most.
                         read_turn = False
                         reads = self.native_reads if reads_reclaim else self.lua_reads
-                        batch = await reads.step(client, self.read_from)
+                        _, batch = await self.held(reads.step(client, self.read_from))
                 except Exception as error:
                     refused = classify(error) is Fault.REFUSING
                     claim_refused = claim_refused or (claiming and refused)
@@ -134,8 +135,6 @@ class Listener:
                 if not claim_refused:
                     outage.succeeded()
                 group_gone = False
-                for stream, entry_id, _ in batch:
-                    self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     message = self.in_flight.deliverable(stream, entry_id, fields)
                     if message is not None:
@@ -156,25 +155,34 @@ class Listener:
     async def claim(
         self, client: ScriptClient, due: list[str]
     ) -> tuple[list[ClaimedEntry], list[ClaimedEntry]]:
-        """The Lua path's claim of ``due`` streams: what it took, and that
-        minus what this consumer finished while it ran (see
-        ``FinishedEntries``: its ack's reply may come first)."""
+        """The Lua path's claim of ``due`` streams, as ``held`` gives it."""
+        return await self.held(
+            within(REPLY_MARGIN_S * len(due), self.claims.claim_all(client, due))
+        )
+
+    async def held(
+        self, fetch: Awaitable[list[Entry]]
+    ) -> tuple[list[Entry], list[Entry]]:
+        """What a read or a claim returned, and that minus what this
+        consumer finished while it was in flight (see ``FinishedEntries``:
+        an ack's reply may come first), now held. In flight until held: the
+        steps between (the native path's start counts) take turns of the
+        loop in which an ack may end."""
         finished = self.in_flight.finished
         number = finished.read_sent()
         try:
-            claimed = await within(
-                REPLY_MARGIN_S * len(due), self.claims.claim_all(client, due)
-            )
-            kept = finished.screened(number, claimed)
+            got = await fetch
+            kept = finished.screened(number, got)
+            kept_ids = {(entry[0], entry[1]) for entry in kept}
+            for entry in got:
+                if (entry[0], entry[1]) in kept_ids:
+                    self.in_flight.add(entry[0], [entry[1]])
+                else:
+                    # Held by the step itself (a claim), no longer.
+                    self.in_flight.discard(entry[0], entry[1])
         finally:
             finished.read_done(number)
-        if len(kept) < len(claimed):
-            # The claim held them (claim_all): no longer.
-            kept_ids = {(stream, entry_id) for stream, entry_id, _ in kept}
-            for stream, entry_id, _ in claimed:
-                if (stream, entry_id) not in kept_ids:
-                    self.in_flight.discard(stream, entry_id)
-        return claimed, kept
+        return got, kept
 
     async def _wait_out(
         self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool
