@@ -105,6 +105,14 @@ class AtomicParts:
             DeadLetterResults(lambda: broker.result_backend),
             stand_aside=self.schedule.stand_aside,
             connect=connection.connect,
+            per_slot=connection.per_slot,
+            # A read blocks this long at most (see GroupReads.read).
+            longest_read_s=(
+                min(broker.block, settings.claim_interval)
+                if broker.block
+                else settings.claim_interval
+            )
+            / 1000,
         )
         # Each read step is followed by the trim of the streams due (on
         # either path: where reads reclaim no claim script runs).
@@ -136,7 +144,6 @@ class AtomicParts:
             settings.idle_timeout,
             positions,
             before_call=before_call,
-            direct=self.connection.owns_one_server_pool,
         )
         self.groups = ConsumerGroups(
             self.streams, group, broker.consumer_id, broker.mkstream, positions

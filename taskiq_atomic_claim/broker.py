@@ -143,9 +143,7 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
 
 class StandaloneConnection(Connection):
     """One server behind the parent's pool, which lives as long as the
-    broker: starts and acks go pipelined, reads are parsed here."""
-
-    owns_one_server_pool = True
+    broker; every call takes a connection from it for that call only."""
 
     def __init__(self, pool: ConnectionPool, queue_name: str) -> None:
         super().__init__(queue_name)

@@ -29,6 +29,7 @@ from taskiq_atomic_claim.cluster_client import (
     StreamEntries,
 )
 from taskiq_atomic_claim.connection import Connection
+from taskiq_atomic_claim.finished import FinishedEntries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_info import (
@@ -201,11 +202,13 @@ class ClusterConnection(Connection):
 
     @contextlib.asynccontextmanager
     async def listen_client(
-        self, on_delivered: Callable[[StreamEntries], None] | None = None
+        self,
+        on_delivered: Callable[[StreamEntries], None] | None = None,
+        finished: FinishedEntries | None = None,
     ) -> AsyncIterator[SlotRoutedClient]:
         # Not ``async with self.redis``: leaving that closes the shared
         # client's connections whenever no other user holds it.
-        client = SlotRoutedClient(self.redis, on_delivered=on_delivered)
+        client = SlotRoutedClient(self.redis, on_delivered, finished)
         try:
             yield client
         finally:

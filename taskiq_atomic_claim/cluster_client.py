@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from redis.asyncio import RedisCluster
-from redis.asyncio.cluster import ClusterNode, PipelineCommand
+from redis.asyncio.cluster import ClusterNode
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -52,7 +52,8 @@ from redis.exceptions import (
 )
 
 from taskiq_atomic_claim.backoff import Backoff
-from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.finished import FinishedEntries
+from taskiq_atomic_claim.replies import read_entries, text
 from taskiq_atomic_claim.scripts import _library_name
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
 from taskiq_atomic_claim.server_errors import is_outage
@@ -122,9 +123,13 @@ class SlotRoutedClient:
         self,
         cluster: RedisCluster,
         on_delivered: Callable[[StreamEntries], None] | None = None,
+        finished: FinishedEntries | None = None,
     ) -> None:
         self.cluster = cluster
         self._on_delivered = on_delivered
+        # Screened out of each read as it completes (reads outlive calls,
+        # and on_delivered holds their entries at once).
+        self.finished = FinishedEntries() if finished is None else finished
         self._reads: dict[tuple[str, ...], asyncio.Task[StreamEntries]] = {}
         # A failed read whose siblings brought entries: raised next call,
         # after those entries have been handed over.
@@ -146,8 +151,7 @@ class SlotRoutedClient:
         if command in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
             return await self._on_slot(text(args[3]), args, options)
         if command in _KICK_COMMANDS:
-            await _drop_closed_connections(await self.primary_for(text(args[1])))
-            return await self._on_slot(text(args[1]), args, options)
+            return await self._kick(text(args[1]), args, options)
         return await self.cluster.execute_command(*args, **options)
 
     async def _on_slot(self, key: str, args: Any, options: dict[str, Any]) -> Any:
@@ -164,6 +168,31 @@ class SlotRoutedClient:
             # "TTL exhausted.": never run, so it is safe to send again.
             return await self._following_ask(key, args, options, error)
 
+    async def _kick(self, key: str, args: Any, options: dict[str, Any]) -> Any:
+        """``args`` on the primary serving ``key``'s slot, once, on an idle
+        connection checked first: one its server closed (killed, restarted)
+        fails after sending, which reads as "may have been added" (redis-py's
+        own pool checks a connection before handing it out; a cluster
+        node's does not). Redirected, it was not run: sent the usual way."""
+        node = await self.primary_for(key)
+        connection = node.acquire_connection()
+        try:
+            if connection.is_connected and await _closed_by_server(connection):
+                await connection.disconnect()
+            await connection.send_packed_command(connection.pack_command(*args))
+            return await node.parse_response(connection, args[0], **options)
+        except AskError:  # or MOVED: the reply was read, nothing ran
+            pass
+        except ResponseError:
+            raise
+        except BaseException:
+            # Maybe a reply left unread: never reuse it.
+            await connection.disconnect()
+            raise
+        finally:
+            node.release(connection)
+        return await self._on_slot(key, args, options)
+
     async def _following_ask(
         self, key: str, args: Any, options: dict[str, Any], gave_up: Exception
     ) -> Any:
@@ -176,11 +205,19 @@ class SlotRoutedClient:
             if isinstance(ask, MovedError) or target is None:
                 raise gave_up from ask
             # ASKING and the command on one connection, as the target needs.
-            call = PipelineCommand(1, *args, **options)
-            await target.execute_pipeline([PipelineCommand(0, "ASKING"), call])
-            if isinstance(call.result, BaseException):
-                raise call.result from ask
-            return call.result
+            connection = target.acquire_connection()
+            try:
+                await connection.send_packed_command(
+                    connection.pack_commands([("ASKING",), args])
+                )
+                await target.parse_response(connection, "ASKING")
+                return await target.parse_response(connection, args[0], **options)
+            except BaseException:
+                # Maybe a reply left unread: never reuse it.
+                await connection.disconnect()
+                raise
+            finally:
+                target.release(connection)
 
     def pipeline(self, transaction: bool) -> Any:
         """redis-py's, routed by key (a transaction's keys share one slot)."""
@@ -329,11 +366,31 @@ class SlotRoutedClient:
         # Bounded: on a half-open connection (socket_timeout None) the read
         # would wait for ever and its slot would never be read again.
         call = self._on_slot(next(iter(group)), pieces, options)
-        reply = await (within(block / 1000 + REPLY_MARGIN_S, call) if block else call)
-        fetched = _as_pairs(reply)
+        read_number = self.finished.read_sent()
+        try:
+            reply = await (
+                within(block / 1000 + REPLY_MARGIN_S, call) if block else call
+            )
+            fetched = self._screened(read_number, _as_pairs(reply))
+        finally:
+            self.finished.read_done(read_number)
         if fetched and self._on_delivered is not None:
             self._on_delivered(fetched)
         return fetched
+
+    def _screened(self, read_number: int, fetched: StreamEntries) -> StreamEntries:
+        """``fetched`` minus the entries this consumer finished while the
+        read was in flight (see ``FinishedEntries``)."""
+        read = read_entries(fetched)
+        kept = self.finished.screened(read_number, read)
+        if len(kept) == len(read):
+            return fetched
+        streams: dict[Any, list[Any]] = {}
+        for stream, entry_id, fields, maybe_reclaimed in kept:
+            # As CLAIM returns them: idle time and delivery count, 0 if new.
+            flag = int(maybe_reclaimed)
+            streams.setdefault(stream, []).append((entry_id, fields, flag, flag))
+        return list(streams.items())
 
     async def close(self) -> None:
         """Stop outstanding reads (their entries, if any, were already
@@ -346,22 +403,13 @@ class SlotRoutedClient:
                 await task
 
 
-async def _drop_closed_connections(node: ClusterNode) -> None:
-    """Close ``node``'s idle connections that its server already closed (it
-    was killed or restarted): a kick written on one fails after sending,
-    which would read as "may have been added". redis-py's own pool checks a
-    connection before handing it out; a cluster node's free list does not."""
-    for connection in list(getattr(node, "_free", ())):
-        if not connection.is_connected:
-            continue
-        # can_read from redis-py 8, can_read_destructive before.
-        check = getattr(connection, "can_read", None)
-        try:
-            closed = await (check or connection.can_read_destructive)()
-        except Exception:
-            closed = True
-        if closed:
-            await connection.disconnect()
+async def _closed_by_server(connection: Any) -> bool:
+    # can_read from redis-py 8, can_read_destructive before.
+    check = getattr(connection, "can_read", None)
+    try:
+        return bool(await (check or connection.can_read_destructive)())
+    except Exception:
+        return True
 
 
 class OneNodeClient:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from redis.exceptions import AuthenticationError
 
 from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.finished import FinishedEntries
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import login_problem
 from taskiq_atomic_claim.server_info import ServerInfo
@@ -29,11 +30,6 @@ class Connection:
     """How an atomic broker reaches its server(s). What is defined here
     serves one server (standalone, Sentinel); Cluster redefines it."""
 
-    # The listen client's pool reaches one server and lives as long as the
-    # broker: starts and acks go pipelined over one of its connections
-    # (pipelined.py), and reads are written and parsed here
-    # (reads.DirectReader).
-    owns_one_server_pool = False
     # A server unreachable at startup is waited out by the listen loop
     # instead of failing the worker's start (Sentinel, Cluster).
     waits_out_startup = False
@@ -49,12 +45,13 @@ class Connection:
         raise NotImplementedError
 
     def listen_client(
-        self, on_delivered: Callable[[Any], None]
+        self, on_delivered: Callable[[Any], None], finished: FinishedEntries
     ) -> contextlib.AbstractAsyncContextManager[Any]:
         """The client one listen() holds for its life. Cluster keeps reads
         outstanding across calls and reports each read's reply to
         ``on_delivered`` as it completes, so entries that arrive while the
-        consumer is not pulling are held (and heartbeated) at once."""
+        consumer is not pulling are held (and heartbeated) at once; it
+        screens out ``finished`` entries itself, as each read completes."""
         return self.connect()
 
     def liveness_client(self) -> contextlib.AbstractAsyncContextManager[ScriptClient]:

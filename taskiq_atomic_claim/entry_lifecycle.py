@@ -11,10 +11,11 @@ every transition, from its read to its ack or its other ends.
   name here (``unknown_task``);
 - started: about to run (``starting``); a task that crashed workers before
   waits for its turn (``suspects.py``), then the start is recorded on the
-  server (``task_records.py``) so that a worker dying now counts toward
+  server (``task_calls.py``) so that a worker dying now counts toward
   ``max_deliveries``;
 - and then one of:
-  - acked: forgotten here and on the server (``task_records.py``; ``tracked_ack``);
+  - acked: forgotten here and on the server (``task_calls.py``;
+    ``tracked_ack``), and never yielded again (``finished.py``);
   - declined: its task unknown here, handed back for a worker that knows it
     (``decline``);
   - dead-lettered: in place of its ack (``dead_letter``; when, and why, is
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -61,10 +61,10 @@ from taskiq_atomic_claim.dead_letter_policy import (
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.dead_letters import DeadLettering
 from taskiq_atomic_claim.delivery import Delivery, EntryData
+from taskiq_atomic_claim.finished import FinishedEntries
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import hand_back_call, set_idle_call
-from taskiq_atomic_claim.pipelined import PipelinedCalls
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
@@ -75,7 +75,8 @@ from taskiq_atomic_claim.server_calls import (
 from taskiq_atomic_claim.server_errors import Fault, classify
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.suspects import SuspectsRunAlone
-from taskiq_atomic_claim.task_records import ack, forget_command, record_starts
+from taskiq_atomic_claim.task_calls import TaskCalls
+from taskiq_atomic_claim.task_records import forget_command
 from taskiq_atomic_claim.unknown_tasks import call_decline
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -96,8 +97,8 @@ class EntryLifecycle:
 
     ``connect`` gives a client of the pool acks, starts and declines use;
     ``stand_aside`` is called with the stream of an entry declined (claim
-    elsewhere first); ``pipelined`` is set where starts and acks go
-    pipelined over one connection (standalone servers)."""
+    elsewhere first); ``per_slot``: on Cluster; ``longest_read_s``: how long
+    a read may hold a connection (a start may wait that long for one)."""
 
     def __init__(
         self,
@@ -110,6 +111,8 @@ class EntryLifecycle:
         stand_aside: Callable[[str], None] = lambda stream: None,
         *,
         connect: Connect,
+        per_slot: bool = False,
+        longest_read_s: float = 0.0,
     ) -> None:
         self.scripts = scripts
         self.connect = connect
@@ -131,10 +134,9 @@ class EntryLifecycle:
         # change to it is made under this lock.
         self._held_lock = threading.Lock()
         self._by_task: dict[asyncio.Task[Any], Delivery] = {}
-        self._starts: dict[str, list[tuple[Delivery, asyncio.Future[None]]]] = {}
-        self._start_flush: asyncio.Task[None] | None = None
         self._keys: dict[str, StreamKeys] = {}
-        self.pipelined: PipelinedCalls | None = None
+        self.calls = TaskCalls(connect, REPLY_MARGIN_S + longest_read_s, per_slot)
+        self.finished = FinishedEntries()
         # Starts not recorded since (once per outage, not once per start).
         self._starts_lost_since: float | None = None
         self._starts_lost = 0
@@ -274,9 +276,8 @@ class EntryLifecycle:
 
     async def starting(self) -> None:
         """In the receiver's callback task, before the task runs: a suspect
-        waits for its turn, then the start is recorded. Every task passes
-        here: the usual case (no suspect, a pipelined start in the kernel
-        at once) makes no coroutine."""
+        waits for its turn, then the start is recorded, on the server
+        before the task runs (the starts of one loop turn in one call)."""
         task = asyncio.current_task()
         delivery = None if task is None else self._by_task.get(task)
         if delivery is None:
@@ -286,77 +287,18 @@ class EntryLifecycle:
             await self.suspects.wait_turn(delivery)
         if self.settings.max_deliveries == 0 or delivery.started:
             return  # nothing counts crashes: no key, no round trip
-        if self.pipelined is None:
-            await self._awaited_start(delivery)
-            return
-        # Written, not answered: once the kernel has it, the start reaches
-        # the server even if this process dies right after.
-        written = self.pipelined.start(
-            self.keys(delivery.stream).started,
-            self.started_ttl,
-            delivery.entry_id,
-            functools.partial(self.start_not_recorded, delivery),
-        )
-        if written is not None:  # else in the kernel already
-            try:
-                await written
-            except Exception as error:
-                self.start_not_recorded(delivery, error)
-                return
-        delivery.started = True
-
-    async def _awaited_start(self, delivery: Delivery) -> None:
-        """Without a pipeline (Cluster): starts arriving while a call is
-        under way wait and go together in the next call (one per stream)."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._starts.setdefault(delivery.stream, []).append((delivery, waiter))
-        if self._start_flush is None or self._start_flush.done():
-            self._start_flush = asyncio.create_task(self._flush_starts(self.connect))
         try:
-            await waiter
+            await self.calls.start(
+                self.keys(delivery.stream).started,
+                self.started_ttl,
+                delivery.entry_id,
+            )
         except Exception as error:
             self.start_not_recorded(delivery, error)
-
-    async def _flush_starts(self, connect: Connect) -> None:
-        # Let the callbacks scheduled beside this one reach their start too.
-        await asyncio.sleep(0)
-        while self._starts:
-            batches, self._starts = self._starts, {}
-            try:
-                async with connect() as client:
-                    for stream, waiting in batches.items():
-                        await self._call_start(client, stream, waiting)
-            except BaseException as error:
-                # One start lost to a closed connection is enough; and a
-                # cancelled flush (shutdown) fails its waiters as well.
-                await drop_idle_connections(connect, error)
-                failure = (
-                    error
-                    if isinstance(error, Exception)
-                    else RuntimeError("recording the start was cancelled")
-                )
-                for waiting in batches.values():
-                    for _, waiter in waiting:
-                        if not waiter.done():
-                            waiter.set_exception(failure)
-                if not isinstance(error, Exception):
-                    raise
-
-    async def _call_start(
-        self,
-        client: ScriptClient,
-        stream: str,
-        waiting: list[tuple[Delivery, asyncio.Future[None]]],
-    ) -> None:
-        keys = self.keys(stream)
-        for start in range(0, len(waiting), SCRIPT_BATCH):
-            chunk = waiting[start : start + SCRIPT_BATCH]
-            ids = [d.entry_id for d, _ in chunk]
-            await record_starts(client, keys.started, self.started_ttl, ids)
-            for delivery, waiter in chunk:
-                delivery.started = True
-                if not waiter.done():
-                    waiter.set_result(None)
+            # The pool's idle connections most likely went with this one.
+            await drop_idle_connections(self.connect, error)
+            return
+        delivery.started = True
 
     def start_not_recorded(
         self, delivery: Delivery, error: BaseException | None
@@ -449,6 +391,7 @@ class EntryLifecycle:
                         self.ack_backoff.succeeded()
                         self.refused_acks.succeeded()
                         self._starts_recorded_again(stream, entry_id)
+                        self.finished.add(stream, entry_id)
                         return
             finally:
                 self.discard(stream, entry_id)
@@ -471,41 +414,26 @@ class EntryLifecycle:
             logger.debug("Start count of %s not forgotten: %s", entry_id, error)
 
     async def _ack_once(self, stream: str, entry_id: str) -> None:
-        """XACK and forget the entry's start count in one round trip; an
-        entry taskiq could not parse goes to dead letters instead, one whose
-        task is unknown here is declined."""
+        """XACK and forget the entry's start count (with the other acks of
+        this loop turn); an entry taskiq could not parse goes to dead
+        letters instead, one whose task is unknown here is declined."""
         keys = self.keys(stream)
         delivery = self._held.get((stream, entry_id))
-        plain = delivery is None or (
+        if delivery is None or (
             delivery.unknown_task is None and delivery.unparsable is None
-        )
-        pipelined = self.pipelined
-        if plain and pipelined is not None:
-            # Bounded by the pipeline's own reply deadline.
-            await pipelined.ack(
-                stream, keys.started, self.group, entry_id, self.settings.delete_acked
+        ):
+            await self.calls.ack(
+                stream, keys.started, self.group, self.settings.delete_acked, entry_id
             )
             return
-        await within(REPLY_MARGIN_S, self._awaited_ack(delivery, keys, entry_id))
-
-    async def _awaited_ack(
-        self, delivery: Delivery | None, keys: StreamKeys, entry_id: str
-    ) -> None:
         async with self.connect() as client:
-            if delivery is not None and delivery.unknown_task is not None:
-                await self.decline(client, delivery)
-                return
-            if delivery is not None and delivery.unparsable is not None:
-                await self.dead_letter(client, delivery, delivery.unparsable)
-                return
-            await ack(
-                client,
-                keys.stream,
-                keys.started,
-                self.group,
-                [entry_id],
-                self.settings.delete_acked,
-            )
+            if delivery.unknown_task is not None:
+                await within(REPLY_MARGIN_S, self.decline(client, delivery))
+            else:
+                await within(
+                    REPLY_MARGIN_S,
+                    self.dead_letter(client, delivery, delivery.unparsable or ""),
+                )
 
     # Heartbeat and hand-back.
 
@@ -554,6 +482,7 @@ class EntryLifecycle:
             await self.dead_letter(client, delivery, reason, logging.WARNING)
             return
         self.discard(delivery.stream, delivery.entry_id)
+        self.finished.add(delivery.stream, delivery.entry_id)
         if deliveries >= 0:  # else no longer ours: whoever took it judges it
             self.stand_aside(delivery.stream)
             self.metrics.add("handed_back", delivery.stream)
@@ -574,6 +503,7 @@ class EntryLifecycle:
             client, keys, delivery.entry_id, reason, level=level
         )
         self.discard(delivery.stream, delivery.entry_id)
+        self.finished.add(delivery.stream, delivery.entry_id)
 
     async def hand_back_unyielded(
         self, client: ScriptClient, older_than_s: float
@@ -681,9 +611,8 @@ class EntryLifecycle:
         """Set the idle time of ``held`` (idle_timeout: claimable at once), take
         back their starts (a shutdown is no crash), forget them; count owned."""
         handed = 0
-        if self.pipelined is not None:
-            # Its starts on the server before they are taken back.
-            await self.pipelined.settled()
+        # Starts sent are answered (and marked) before they are taken back.
+        await self.calls.settled()
         for stream, in_stream in _by_stream(held):
             keys = self.keys(stream)
             for start in range(0, len(in_stream), SCRIPT_BATCH):

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from taskiq import AckableMessage, AsyncBroker
 
@@ -27,10 +27,10 @@ from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.heartbeat import Heartbeat
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.native_reads import NativePathReads
-from taskiq_atomic_claim.pipelined import PipelinedCalls
-from taskiq_atomic_claim.reads import LuaPathReads, read_entries
+from taskiq_atomic_claim.reads import LuaPathReads
 from taskiq_atomic_claim.receiver_hooks import hook_receiver
 from taskiq_atomic_claim.reclaim_path import PathChoice
+from taskiq_atomic_claim.replies import read_entries
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import (
     REPLY_MARGIN_S,
@@ -49,6 +49,9 @@ from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.stream_setup import ConsumerGroups
 
 logger = logging.getLogger("taskiq.atomic_claim")
+
+ClaimedEntry = tuple[str, str, dict[Any, Any]]
+Entry = TypeVar("Entry", bound=tuple[Any, ...])
 
 
 class Listener:
@@ -129,8 +132,9 @@ class Listener:
         # Under OOM claims are refused while reads work: such an outage
         # lasts until a claim works again, not until the next read.
         claim_refused = claiming = False
-        async with self.connection.listen_client(self._mark_delivered) as client:
-            self._pipeline_over(client)
+        async with self.connection.listen_client(
+            self._mark_delivered, self.in_flight.finished
+        ) as client:
             while True:
                 raise_if_cancel_was_swallowed()
                 batch: list[tuple[str, str, dict[Any, Any]]] = []
@@ -145,17 +149,14 @@ class Listener:
                     due = [] if reads_reclaim else self.schedule.due_streams()
                     if due and not read_turn:
                         claiming = True
-                        batch = await within(
-                            REPLY_MARGIN_S * len(due),
-                            self.claims.claim_all(client, due),
-                        )
+                        claimed, batch = await self.claim(client, due)
                         claiming = claim_refused = False
-                        read_turn = bool(batch)
+                        read_turn = bool(claimed)
                     if not batch:
                         # The read blocks until the next claim at most.
                         read_turn = False
                         reads = self.native_reads if reads_reclaim else self.lua_reads
-                        batch = await reads.step(client, self.read_from)
+                        _, batch = await self.held(reads.step(client, self.read_from))
                 except Exception as error:
                     # Refused for now (OOM) or by the ACL (-fcall): claims.
                     refused = classify(error) in (Fault.REFUSING, Fault.FORBIDDEN)
@@ -166,8 +167,6 @@ class Listener:
                     continue
                 self._worked(claim_refused)
                 group_gone = False
-                for stream, entry_id, _ in batch:
-                    self.in_flight.add(stream, [entry_id])
                 for stream, entry_id, fields in batch:
                     message = self.in_flight.deliverable(stream, entry_id, fields)
                     if message is not None:
@@ -184,6 +183,38 @@ class Listener:
                         # it is reclaimed and tried again.
                         self.in_flight.discard(stream, entry_id)
                         await self.outage.wait(error)
+
+    async def claim(
+        self, client: ScriptClient, due: list[str]
+    ) -> tuple[list[ClaimedEntry], list[ClaimedEntry]]:
+        """The Lua path's claim of ``due`` streams, as ``held`` gives it."""
+        return await self.held(
+            within(REPLY_MARGIN_S * len(due), self.claims.claim_all(client, due))
+        )
+
+    async def held(
+        self, fetch: Awaitable[list[Entry]]
+    ) -> tuple[list[Entry], list[Entry]]:
+        """What a read or a claim returned, and that minus what this
+        consumer finished while it was in flight (see ``FinishedEntries``:
+        an ack's reply may come first), now held. In flight until held: the
+        steps between (the native path's start counts) take turns of the
+        loop in which an ack may end."""
+        finished = self.in_flight.finished
+        number = finished.read_sent()
+        try:
+            got = await fetch
+            kept = finished.screened(number, got)
+            kept_ids = {(entry[0], entry[1]) for entry in kept}
+            for entry in got:
+                if (entry[0], entry[1]) in kept_ids:
+                    self.in_flight.add(entry[0], [entry[1]])
+                else:
+                    # Held by the step itself (a claim), no longer.
+                    self.in_flight.discard(entry[0], entry[1])
+        finally:
+            finished.read_done(number)
+        return got, kept
 
     async def _wait_out(
         self, client: ScriptClient, error: Exception, outage: Backoff, group_gone: bool
@@ -256,12 +287,6 @@ class Listener:
     def _mark_delivered(self, fetched: Any) -> None:
         for stream, entry_id, _, _ in read_entries(fetched):
             self.in_flight.add(stream, [entry_id])
-
-    def _pipeline_over(self, client: ScriptClient) -> None:
-        if self.connection.owns_one_server_pool and self.in_flight.pipelined is None:
-            pipelined = PipelinedCalls(client)
-            if pipelined.available:
-                self.in_flight.pipelined = pipelined
 
     def _begin_listening(self, broker: AsyncBroker) -> None:
         """What a new listen() (one new connection) starts from."""

@@ -1,6 +1,5 @@
 """A task's start record and its ack: plain commands, defined once here and
-sent either pipelined (``pipelined.py``) or awaited (Cluster, and wherever no
-pipeline runs).
+sent batched per loop turn (``task_calls.py``).
 
 Every task pays these two, so they are not scripts: a function call costs
 the server several times the commands it runs (measured in
@@ -25,8 +24,7 @@ the server several times the commands it runs (measured in
 - ack: ``XACK <stream> <group> <id>..`` (with delete_acked ``XACKDEL <stream>
   <group> ACKED IDS <n> <id>..``, Redis >= 8.2: the entry is deleted once
   no group still needs it), then ``HDEL <started> <id>..``. Not atomic, and
-  need not be: a field left behind (a dying client, or the HDEL not yet
-  sent: pipelined, acked ids are forgotten in bulk) sits in a hash that
+  need not be: a field left behind (a dying client) sits in a hash that
   expires, and its entry is no longer pending, so it counts nothing. Both
   free memory: allowed out of memory.
 """
@@ -113,9 +111,17 @@ async def record_starts(
 ) -> None:
     """The start, awaited: one MULTI/EXEC (on Cluster on the slot's primary:
     every key is the started hash)."""
+    await record_many_starts(client, [(started, ttl_ms, entry_ids)])
+
+
+async def record_many_starts(
+    client: Any, hashes: Sequence[tuple[str, int, Sequence[str]]]
+) -> None:
+    """Starts in several started hashes, as one MULTI/EXEC (one server)."""
     async with client.pipeline(transaction=True) as pipe:
-        for command in start_commands(started, ttl_ms, entry_ids):
-            pipe.execute_command(*command)
+        for started, ttl_ms, entry_ids in hashes:
+            for command in start_commands(started, ttl_ms, entry_ids):
+                pipe.execute_command(*command)
         await pipe.execute()
 
 

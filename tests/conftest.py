@@ -273,6 +273,9 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     "test_claim_stall_worker": ("redis-7.0.15", "valkey-9.1.2"),
     "test_edges": ("redis-7.0.15",),
     "test_operator_changes": ("redis-8.6.3", "redis-7.0.15"),
+    # Real workers; 8.6: the native path, where a read can reclaim an entry
+    # whose ack is in flight (both passed when written).
+    "test_hot_path": ("redis-8.6.3", "redis-7.0.15"),
 }
 
 
