@@ -255,7 +255,9 @@ class ScriptClaims:
             for stream, outcome in zip(group, outcomes, strict=True):
                 for entry in outcome.entries:
                     # Held from here with its crashes (see suspects.py).
-                    self.in_flight.add(stream, [entry.id], entry.crashes)
+                    self.in_flight.add(
+                        stream, [entry.id], entry.crashes, reclaimed=True
+                    )
                     batch.append((stream, entry.id, entry.fields))
                 self.schedule.claimed(stream, outcome, started)
         return batch

@@ -22,6 +22,8 @@ from taskiq import TaskiqResult
 from taskiq.abc.result_backend import AsyncResultBackend
 from taskiq.result_backends.dummy import DummyResultBackend
 
+from taskiq_atomic_claim import tracing
+
 logger = logging.getLogger("taskiq.atomic_claim")
 
 # A result write that has not finished by then is given up (with a warning).
@@ -83,7 +85,9 @@ class DeadLetterResults:
     def dead_lettered(
         self, stream: str, entry_id: str, data: bytes | str | None, reason: str
     ) -> None:
-        """The entry is in the dead letters: start writing its task's result."""
+        """The entry is in the dead letters: say so in its task's trace, and
+        start writing its task's result."""
+        tracing.dead_lettered(stream, entry_id, data, reason)
         backend = self.result_backend()
         task_id = task_id_of(data)
         if task_id is None or isinstance(backend, DummyResultBackend):

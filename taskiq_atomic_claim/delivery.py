@@ -44,6 +44,8 @@ class Delivery:
     orphaned: bool = False
     # Starts in workers that died running it, as the claim that took it saw.
     crashes: int = 0
+    # Taken over from another consumer (a claim, or a read with CLAIM).
+    reclaimed: bool = False
 
     def running(self) -> bool:
         """Its callback runs: parsing it, starting it or running its task."""

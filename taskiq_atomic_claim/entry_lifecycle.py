@@ -49,6 +49,7 @@ from typing import Any
 
 from taskiq import AckableMessage
 
+from taskiq_atomic_claim import tracing
 from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import (
@@ -165,11 +166,20 @@ class EntryLifecycle:
 
     # The held set, per stream.
 
-    def add(self, stream: str, entry_ids: Iterable[str], crashes: int = 0) -> None:
+    def add(
+        self,
+        stream: str,
+        entry_ids: Iterable[str],
+        crashes: int = 0,
+        *,
+        reclaimed: bool = False,
+    ) -> None:
         now = time.monotonic()
         with self._held_lock:
             for entry_id in entry_ids:
-                delivery = Delivery(stream, entry_id, now, crashes=crashes)
+                delivery = Delivery(
+                    stream, entry_id, now, crashes=crashes, reclaimed=reclaimed
+                )
                 self._held.setdefault((stream, entry_id), delivery)
 
     def discard(self, stream: str, entry_id: str) -> None:
@@ -299,6 +309,32 @@ class EntryLifecycle:
             await drop_idle_connections(self.connect, error)
             return
         delivery.started = True
+        if delivery.reclaimed and tracing.recording():
+            await self._trace_redelivery(delivery)
+
+    async def _trace_redelivery(self, delivery: Delivery) -> None:
+        """The run's span says it is a redelivery, with its counts (one
+        XPENDING, only where the app traces this run)."""
+        keys = self.keys(delivery.stream)
+        try:
+            async with self.connect() as client:
+                pending = await within(
+                    REPLY_MARGIN_S,
+                    client.execute_command(
+                        "XPENDING",
+                        keys.stream,
+                        self.group,
+                        delivery.entry_id,
+                        delivery.entry_id,
+                        1,
+                        parse_detail=True,
+                    ),
+                )
+        except Exception as error:
+            logger.debug("Delivery count of %s not read: %s", delivery.entry_id, error)
+            pending = []
+        deliveries = int(pending[0]["times_delivered"]) if pending else 0
+        tracing.redelivered(deliveries, delivery.crashes)
 
     def start_not_recorded(
         self, delivery: Delivery, error: BaseException | None

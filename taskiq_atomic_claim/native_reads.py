@@ -155,6 +155,7 @@ class NativePathReads:
             self.metrics.add("claimed", stream, len(ids))
             logger.debug("Reclaimed %d idle entries from stream %r", len(ids), stream)
             if not max_deliveries:
+                self.in_flight.add(stream, ids, reclaimed=True)
                 continue
             keys = StreamKeys(stream, self.group)
             counts = await client.execute_command("HMGET", keys.started, *ids)
@@ -163,7 +164,7 @@ class NativePathReads:
                 crashes = int(count or 0)
                 if not crashed_out(crashes, max_deliveries):
                     # Held from here with its crashes (see suspects.py).
-                    self.in_flight.add(stream, [entry_id], crashes)
+                    self.in_flight.add(stream, [entry_id], crashes, reclaimed=True)
                     continue
                 crashed_out_ids.append((entry_id, crashes))
                 poisoned.add((stream, entry_id))

@@ -176,7 +176,13 @@ async def _one_pipeline(
         # A command refused as queued (out of memory) aborts the EXEC.
         exec_reply = replies[queued + 1]
         if isinstance(exec_reply, Exception):
-            failed.update(dict.fromkeys(hashes, exec_reply))
+            # EXECABORT says only that; the refused command's reply says why
+            # (OOM, or the ACL naming the command).
+            cause = next(
+                (r for r in replies[1 : queued + 1] if isinstance(r, Exception)),
+                exec_reply,
+            )
+            failed.update(dict.fromkeys(hashes, cause))
         acked = replies[queued + 2 :]
     # The XACK's reply says whether the ack worked; a failed HDEL only
     # leaves a count in an expiring hash, counting nothing.

@@ -297,6 +297,7 @@ PATH_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
     # The heartbeat is the same on every server; the reclaim that would take
     # a live worker's entry differs per path.
     "test_liveness": (LUA_PATH, NATIVE_PATH),
+    "test_tracing": (LUA_PATH, NATIVE_PATH),
 }
 
 
