@@ -109,11 +109,15 @@ class LivenessThread:
         with self._lock:
             self._stopping = True
             running = self._running
-        if running is not None:
-            loop, task = running
-            with contextlib.suppress(RuntimeError):  # its loop already closed
-                loop.call_soon_threadsafe(task.cancel)
-        await asyncio.to_thread(thread.join, STOP_WAIT_S)
+        # A cancel that lands inside a redis-py call can be swallowed there:
+        # cancel until the thread is gone (bounded), as Heartbeat.stop does.
+        deadline = time.monotonic() + STOP_WAIT_S
+        while thread.is_alive() and time.monotonic() < deadline:
+            if running is not None:
+                loop, task = running
+                with contextlib.suppress(RuntimeError):  # its loop closed
+                    loop.call_soon_threadsafe(task.cancel)
+            await asyncio.to_thread(thread.join, 0.1)
         if thread.is_alive():
             logger.warning(
                 "The liveness thread of consumer %r did not stop within %.0f s"
@@ -148,8 +152,9 @@ class LivenessThread:
         outage = Backoff(
             f"heartbeat {self.in_flight.consumer}", cap=min(MAX_DELAY_S, beat / 3)
         )
-        delay = 0.0  # the alive keys at once
-        while True:
+        await self._announce(client)  # alive from the start
+        delay = beat
+        while not self._stopping:
             await asyncio.sleep(delay)
             try:
                 await self._beat(scripts, client)
@@ -177,17 +182,18 @@ class LivenessThread:
                     client.execute_command("SET", key, now_ms, "PX", self.idle_timeout),
                 )
             except Exception as error:
-                if classify(error).is_outage:
-                    raise
-                # An ACL from before this key (re-run `acl`): the entries'
-                # resets go on; only operators miss the signal.
-                if not self._announce_refused:
-                    logger.warning(
-                        "Consumer %r cannot mark itself alive (%s); operators"
-                        " see it only by its idle time",
-                        self.in_flight.consumer,
-                        error,
-                    )
+                # Never the beat's failure: its resets went through or
+                # failed on their own. Out of memory the SET is refused;
+                # an ACL from before this key (re-run `acl`) refuses it too.
+                if classify(error).is_outage or self._announce_refused:
+                    logger.debug("Alive key not renewed: %s", error)
+                    continue
+                logger.warning(
+                    "Consumer %r cannot mark itself alive (%s); operators"
+                    " see it only by its idle time",
+                    self.in_flight.consumer,
+                    error,
+                )
                 self._announce_refused = True
 
     async def _beat(self, scripts: ScriptRunner, client: ScriptClient) -> None:
