@@ -53,8 +53,10 @@ class StartupChecks:
         worker waits it out and runs them again, ``AtomicParts.startup``)."""
         await self.check_stream_types()
         await self.require_scripting()
-        await self.require_ack_permissions()
+        # Before the ack's probe: delete_acked on a server without XACKDEL
+        # is refused as such, not as an unknown command.
         await self.check_server_features()
+        await self.require_ack_permissions()
         await self.check_durability()
 
     async def check_stream_types(self) -> None:
