@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server
-from tests.stalling_proxy import StallingProxy
+from tests.proxies import StallingProxy
 from tests.test_claim_script import GROUP, KEYS, STREAM, owner_of, pending_for, settings
 from tests.test_faults import out_of_memory, via
 

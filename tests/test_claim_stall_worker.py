@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME
 from tests.conftest import Server
-from tests.stalling_proxy import StallingProxy
+from tests.proxies import StallingProxy
 from tests.test_claim_stall import FETCH, lua_path_only
 from tests.test_faults import via
 from tests.test_started_semantics import fresh_queue, stopped_at_exit

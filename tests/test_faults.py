@@ -32,6 +32,7 @@ from taskiq_atomic_claim.operations import requeue_dead_letters_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server, server_command, with_user
+from tests.proxies import FreezingProxy
 from tests.test_broker import message, receive
 
 LOGGER = "taskiq.atomic_claim"
@@ -423,60 +424,6 @@ async def test_acks_giving_up_in_an_outage_log_one_line_and_raise_nothing(
         server.local.start()
         await redis.connection_pool.disconnect()
         await listener.aclose()
-
-
-class FreezingProxy:
-    """A loopback TCP proxy; ``freeze()`` stops forwarding on every open
-    connection while keeping it open: a half-open connection, as after a
-    dropped NAT entry or a host that vanished. New connections still work."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.frozen: list[asyncio.StreamWriter] = []
-        self.open: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
-        self.pumps: set[asyncio.Task[None]] = set()
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    async def __aenter__(self) -> FreezingProxy:
-        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        for pump in self.pumps:
-            pump.cancel()
-        for writer in [*self.frozen, *(w for pair in self.open for w in pair)]:
-            writer.close()
-
-    def freeze(self) -> None:
-        for pair in self.open:
-            self.frozen += pair
-        self.open = []
-        for pump in self.pumps:
-            pump.cancel()
-        self.pumps = set()
-
-    async def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        up_reader, up_writer = await asyncio.open_connection(
-            "127.0.0.1", self.upstream_port
-        )
-        self.open.append((writer, up_writer))
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            pump = asyncio.ensure_future(self._pump(source, sink))
-            self.pumps.add(pump)
-
-    @staticmethod
-    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-        sink.close()
 
 
 def via(url: str, port: int) -> str:

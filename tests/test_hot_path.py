@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import collections
-import contextlib
 import os
 import time
 import uuid
@@ -23,6 +22,7 @@ from taskiq.utils import maybe_awaitable
 from taskiq_atomic_claim import AtomicRedisStreamBroker
 from tests.conftest import Server
 from tests.hot_path_app import TASK_NAME
+from tests.proxies import ReplyDelayingProxy
 from tests.test_broker import message
 from tests.test_faults import via
 from tests.test_reliability import started
@@ -211,49 +211,6 @@ def test_the_private_name_check_finds_what_it_looks_for() -> None:
             "getattr(..., '_free')",
         ]
     )
-
-
-class ReplyDelayingProxy:
-    """A loopback TCP proxy that passes commands on at once and replies
-    ``delay_s`` late: the server runs a command before the client hears."""
-
-    def __init__(self, upstream_port: int, delay_s: float) -> None:
-        self.upstream_port = upstream_port
-        self.delay_s = delay_s
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def __aenter__(self) -> ReplyDelayingProxy:
-        self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-
-    async def accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        up_reader, up_writer = await asyncio.open_connection(
-            "127.0.0.1", self.upstream_port
-        )
-        for source, sink, delay in ((reader, up_writer, 0.0), (up_reader, writer, 1)):
-            task = asyncio.ensure_future(self.pump(source, sink, delay * self.delay_s))
-            self.tasks.add(task)
-
-    @staticmethod
-    async def pump(
-        source: asyncio.StreamReader, sink: asyncio.StreamWriter, delay_s: float
-    ) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await source.read(65536):
-                if delay_s:
-                    await asyncio.sleep(delay_s)
-                sink.write(data)
-                await sink.drain()
-        sink.close()
 
 
 async def test_an_entry_acked_while_a_claiming_read_was_in_flight_is_not_yielded(

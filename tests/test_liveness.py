@@ -29,7 +29,7 @@ from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 from tests.conftest import Server
 from tests.liveness_app import BLOCKING_TASK
-from tests.stalling_proxy import CuttingProxy
+from tests.proxies import CuttingProxy
 from tests.test_faults import via
 from tests.test_started_semantics import stopped_at_exit, taskiq_worker
 
