@@ -74,9 +74,7 @@ class ClaimSchedule:
         ``stream``; the other streams go on claiming."""
         settings = self.settings
         wait = settings.lease + settings.skip_wait + settings.claim_interval
-        until = time.monotonic() + wait / 1000
-        self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
-        self._read_claims_from[stream] = until
+        self._claim_nothing([stream], time.monotonic() + wait / 1000)
 
     def hold_off_after_outage(self) -> None:
         """An outage (connections lost, a failover, a server refusing): the
@@ -86,8 +84,13 @@ class ClaimSchedule:
         more at the first call that works, so live workers (whose heartbeat
         threads retry within a third of a beat) reset their entries' idle
         time first. Dead workers' entries wait that much longer."""
-        until = time.monotonic() + 2 * self.settings.idle_timeout / 3000
-        for stream in self.streams:
+        self._claim_nothing(
+            self.streams, time.monotonic() + 2 * self.settings.idle_timeout / 3000
+        )
+
+    def _claim_nothing(self, streams: list[str], until: float) -> None:
+        """No claim on ``streams`` before ``until``, on either path."""
+        for stream in streams:
             self._claim_due[stream] = max(self._claim_due.get(stream, until), until)
             self._read_claims_from[stream] = max(
                 self._read_claims_from.get(stream, until), until
