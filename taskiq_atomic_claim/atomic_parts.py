@@ -245,10 +245,14 @@ class AtomicParts:
         (tasks run on through them), give back the rest and leave the group
         (``Heartbeat.finish_shutdown``);
         then close what those calls reopened after the parent closed it."""
-        await self.heartbeat.hand_back()
         try:
-            await parent_shutdown()
+            try:
+                await self.heartbeat.hand_back()
+            finally:
+                await parent_shutdown()
         finally:
+            # Even after a hand-back refused (say by the ACL): the liveness
+            # thread must not outlive the broker.
             try:
                 await self.heartbeat.finish_shutdown()
             finally:

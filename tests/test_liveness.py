@@ -27,9 +27,10 @@ from taskiq_atomic_claim.admin.inspection import inspect_stream
 from taskiq_atomic_claim.harness.drill import Events
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
 from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
-from tests.conftest import Server
+from tests.conftest import Server, server_command, with_user
 from tests.liveness_app import BLOCKING_TASK
 from tests.proxies import CuttingProxy
+from tests.test_broker import message
 from tests.test_faults import via
 from tests.test_started_semantics import stopped_at_exit, taskiq_worker
 
@@ -208,6 +209,35 @@ async def consumer_states(
     view = await inspect_stream(redis, stream, "taskiq")
     [group] = view.groups
     return {c.name: consumer_liveness(c, idle_ms) for c in group.consumers}
+
+
+async def test_a_shutdown_whose_hand_back_is_refused_still_stops_the_thread(
+    server: Server, redis: Redis
+) -> None:
+    user, password = f"handback-{uuid.uuid4().hex[:6]}", "handback-password"
+    await server_command(
+        redis, "ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all"
+    )
+    consumer = f"liveness-{uuid.uuid4().hex[:6]}"
+    broker = AtomicRedisStreamBroker(
+        with_user(server.url, user, password),
+        queue_name=f"handback-{uuid.uuid4().hex[:6]}",
+        consumer_name=consumer,
+        idle_timeout=1000,
+        xread_block=100,
+    )
+    try:
+        await broker.startup()
+        await broker.kick(message("held"))
+        # Read and held, never started: the shutdown hands it back.
+        assert await asyncio.wait_for(broker.listen().__anext__(), 5)
+        assert len(liveness_threads(consumer)) == 1
+        await server_command(redis, "ACL", "SETUSER", user, "-fcall", "-evalsha")
+        with contextlib.suppress(Exception):
+            await broker.shutdown()
+        assert liveness_threads(consumer) == [], "the thread outlived the broker"
+    finally:
+        await server_command(redis, "ACL", "DELUSER", user)
 
 
 def liveness_threads(consumer: str) -> list[threading.Thread]:
