@@ -26,10 +26,6 @@ from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
-# A worker holding nothing still claims this many at once (if its settings
-# allow): holding more than it runs waits for it, not the fleet.
-MIN_CLAIM = 10
-
 # Called with the client before each claim or read: Sentinel checks there
 # that the client is still on the current master.
 BeforeCall = Callable[[Any], Awaitable[None]]
@@ -188,12 +184,12 @@ class ScriptClaims:
     async def _claim_streams(
         self, client: ScriptClient, streams: list[str]
     ) -> list[ClaimOutcome]:
-        """One claim cycle on each of ``streams`` in one script call. A batch
-        is at most what one read takes (``xread_count``) and what this worker
-        already runs (at least ``MIN_CLAIM``): it claims no more than it
-        starts soon, so a backlog spreads over the fleet."""
-        count = max(MIN_CLAIM, len(self.in_flight))
-        count = min(count, self.settings.batch_size, self.read_count or count)
+        """One claim cycle on each of ``streams`` in one script call, each
+        batch what one read takes (``xread_count``, at most
+        ``unacknowledged_batch_size``), as where the read itself reclaims."""
+        count = min(
+            self.settings.batch_size, self.read_count or self.settings.batch_size
+        )
         outcomes = await claim_streams(
             self.scripts,
             client,
