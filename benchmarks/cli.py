@@ -3,7 +3,8 @@
 Parts, in order: hotpath (what every task pays: drain rate, worker CPU and
 server time per task, light-load kick-to-start delay), e2e (SIGKILL ->
 re-run), mass_recovery (a fleet drains dead consumers' entries while new
-tasks flow), fleet_idle (what an idle fleet costs the server). Each against
+tasks flow), orphan_drain (how fast real workers work off a crash's no-op
+orphans), fleet_idle (what an idle fleet costs the server). Each against
 taskiq-redis 1.2.4 in the same run. See ``benchmarks/README.md``.
 """
 
@@ -26,6 +27,7 @@ from benchmarks import (
     hotpath,
     machine,
     mass_recovery,
+    orphan_drain,
     report,
     safety,
     watchdog,
@@ -38,7 +40,7 @@ from taskiq_atomic_claim.harness.embedded_server import (
     find_binaries,
 )
 
-PARTS = ("hotpath", "e2e", "mass_recovery", "fleet_idle")
+PARTS = ("hotpath", "e2e", "mass_recovery", "orphan_drain", "fleet_idle")
 DEFAULT_SERVER = Path("/usr/bin/redis-server")
 # Servers built from source once by the test suite's setup, by label; a run
 # may name one before it is built and is then skipped, not failed.
@@ -163,6 +165,8 @@ def _run_server(
             run["e2e"] = end_to_end.run(server.url, mode, log)
         if "mass_recovery" in args.parts:
             run["mass_recovery"] = mass_recovery.run(server.url, mode, log)
+        if "orphan_drain" in args.parts:
+            run["orphan_drain"] = orphan_drain.run(server.url, mode, log)
         if "fleet_idle" in args.parts:
             run["fleet_idle"] = fleet_idle.run(server.url, server.port, mode, log)
     run["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

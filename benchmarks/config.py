@@ -75,6 +75,12 @@ class Mode:
     mass_task_s: float = 1.0
     mass_new_per_s: float = 20.0
     mass_cap_s: float = 300.0
+    # Orphan drain: no-op orphans worked off by real workers at defaults,
+    # each repetition cut at drain_cap_s.
+    drain_orphans: int = 30_000
+    drain_workers: int = 2
+    drain_reps: int = 3
+    drain_cap_s: float = 120.0
     # Idle fleet cost: (workers, streams, idle_timeout ms or None for the
     # brokers' default), each idle for fleet_idle_s; fleet_monitor_s of
     # MONITOR from the workers' start tells top-level from nested commands.
@@ -127,6 +133,9 @@ QUICK = Mode(
     mass_slots=10,
     mass_task_s=0.1,
     mass_cap_s=45.0,
+    drain_orphans=10_000,
+    drain_reps=2,
+    drain_cap_s=60.0,
     fleet_shapes=((10, 2, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
@@ -153,6 +162,10 @@ SMOKE = Mode(
     mass_task_s=0.05,
     mass_new_per_s=20.0,
     mass_cap_s=10.0,
+    drain_orphans=300,
+    drain_workers=1,
+    drain_reps=1,
+    drain_cap_s=20.0,
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
     fleet_monitor_s=0.6,

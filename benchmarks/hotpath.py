@@ -97,7 +97,7 @@ def variants(before: Path | None) -> list[str]:
     return found
 
 
-def _message(task_name: str, args: list[Any]) -> bytes:
+def task_message(task_name: str, args: list[Any]) -> bytes:
     return json.dumps(
         {
             "task_id": uuid.uuid4().hex,
@@ -118,7 +118,7 @@ async def _prepare(url: str, queue: str, tasks: int) -> None:
         for first in range(0, tasks, 1000):
             async with admin.pipeline(transaction=False) as pipe:
                 for _ in range(first, min(first + 1000, tasks)):
-                    pipe.xadd(queue, {"data": _message("bench.noop", [])})
+                    pipe.xadd(queue, {"data": task_message("bench.noop", [])})
                 await pipe.execute()
     finally:
         await admin.aclose()
@@ -349,7 +349,7 @@ async def _light_set(
             for turn in range(rounds):
                 for variant in rotated(names, turn):
                     kicked = time.monotonic()
-                    message = _message("bench.timed", [time.time()])
+                    message = task_message("bench.timed", [time.time()])
                     await admin.xadd(queues[variant], {"data": message})
                     await asyncio.sleep(max(0.0, kicked + gap - time.monotonic()))
             while time.monotonic() < deadline:

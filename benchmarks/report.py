@@ -9,6 +9,7 @@ or change: ``config.refusal``).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
@@ -264,8 +265,56 @@ def _upstream(row: Row | None) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
-    """Every run of a results file, one after the other."""
-    return "\n\n\n".join(render_run(run) for run in results["runs"])
+    """Every run of a results file, one after the other, then the targets
+    that compare two of them."""
+    parts = [render_run(run) for run in results["runs"]]
+    across = drain_targets(results["runs"])
+    if across:
+        parts.append(
+            "Targets across runs\n"
+            + table(
+                ["target", "measured", "goal", "result", "note"],
+                (
+                    [t["target"], t["measured"], t["goal"], t["result"], t["note"]]
+                    for t in across
+                ),
+            )
+        )
+    return "\n\n\n".join(parts)
+
+
+def _drain_rate(run: dict[str, Any]) -> float | None:
+    rates = [r["per_s"] for r in run.get("orphan_drain", [])]
+    if not rates or None in rates:
+        return None
+    return float(statistics.median(rates))
+
+
+def drain_targets(runs: list[dict[str, Any]]) -> list[Row]:
+    """The Lua path's orphan drain against the native path's, the same
+    workers on two servers of one results file."""
+    lua = [r for r in runs if r.get("orphan_drain") and not native_claim(r)]
+    native = [r for r in runs if r.get("orphan_drain") and native_claim(r)]
+    out = []
+    for a in lua:
+        for b in native:
+            rate_a, rate_b = _drain_rate(a), _drain_rate(b)
+            measured = None if rate_a is None or rate_b is None else rate_a / rate_b
+            out.append(
+                _target(
+                    "orphan drain: Lua path / native path rate",
+                    measured,
+                    ">= 0.5",
+                    None if measured is None else measured >= 0.5,
+                    f"{_label(a)} {_fmt(rate_a)}/s, {_label(b)} {_fmt(rate_b)}/s"
+                    " (medians)",
+                )
+            )
+    return out
+
+
+def _label(run: dict[str, Any]) -> str:
+    return str(run.get("machine", {}).get("server", {}).get("label"))
 
 
 def render_run(run: dict[str, Any]) -> str:
@@ -362,6 +411,24 @@ def render_run(run: dict[str, Any]) -> str:
                         r["new_censored"],
                     ]
                     for r in run["mass_recovery"]
+                ),
+            )
+        )
+    if run.get("orphan_drain"):
+        parts.append(
+            "Orphan drain: no-op orphans of dead consumers worked off by real"
+            " workers at defaults\n"
+            + table(
+                ["orphans", "workers", "drain s", "per s", "left"],
+                (
+                    [
+                        r["orphans"],
+                        r["workers"],
+                        r["drain_s"],
+                        r["per_s"],
+                        r["orphans_left"],
+                    ]
+                    for r in run["orphan_drain"]
                 ),
             )
         )

@@ -41,7 +41,8 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-12000:]
     (run,) = json.loads(out.read_text())["runs"]
 
-    for key in ("command", "machine", "hotpath", "e2e", "mass_recovery", "fleet_idle"):
+    parts = ("hotpath", "e2e", "mass_recovery", "orphan_drain", "fleet_idle")
+    for key in ("command", "machine", *parts):
         assert run.get(key), f"missing or empty: {key}"
     machine = run["machine"]
     assert machine["cores"] > 0
@@ -69,6 +70,9 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         assert row["new_kicked"] > 0
         assert 0 <= row["new_censored"] <= row["new_kicked"]
         assert row["new_wait_p99_s"] >= row["new_wait_p50_s"] >= 0
+    for row in run["orphan_drain"]:
+        assert 0 <= row["orphans_left"] <= row["orphans"]
+        assert (row["per_s"] is None) == (row["orphans_left"] > 0)
     idle = run["fleet_idle"]
     assert {row["broker"] for row in idle} == {"atomic", "upstream_1_2_4"}
     for row in idle:
