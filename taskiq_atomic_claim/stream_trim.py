@@ -78,11 +78,13 @@ class StreamTrim:
         self.keep_acked_ms = keep_acked_ms
         self._next: dict[str, float] = {}
         self._last: dict[str, float] = {}
-        # Per stream: entries read since the last trim call (one at first:
-        # the first read step trims what an older release or a stopped
-        # fleet left behind), and how many of its entries this consumer
-        # held then.
-        self._read = dict.fromkeys(streams, 1)
+        # Streams not trimmed since this consumer started: the first read
+        # step trims what an older release or a stopped fleet left behind,
+        # or finds that another consumer just did.
+        self._unchecked = set(streams)
+        # Per stream: entries read since the last trim call, and how many
+        # of its entries this consumer held then.
+        self._read = dict.fromkeys(streams, 0)
         self._held: dict[str, int] = {}
         self._warned = False
 
@@ -105,9 +107,11 @@ class StreamTrim:
         for stream in self.streams:
             if now < self._next.get(stream, 0.0):
                 continue
-            changed = self._read.get(stream, 0) > 0 or len(
-                self.in_flight[stream]
-            ) < self._held.get(stream, 0)
+            changed = (
+                stream in self._unchecked
+                or self._read.get(stream, 0) > 0
+                or len(self.in_flight[stream]) < self._held.get(stream, 0)
+            )
             aged = (
                 self.keep_acked_ms > 0
                 and now >= self._last.get(stream, 0.0) + AGED_TRIM_S
@@ -140,6 +144,10 @@ class StreamTrim:
                         error,
                     )
                     self._warned = True
+            # Kept out (-1): another consumer trimmed within the interval,
+            # so what was left before this one started is gone; its own
+            # reads since keep the stream due.
+            self._unchecked.discard(stream)
             if trimmed != -1:
                 self._last[stream] = now
                 self._read[stream] = 0

@@ -212,3 +212,21 @@ async def test_an_idle_consumer_trims_once_then_only_after_reads(
     trimming.read(STREAM)
     assert trimming.due(later) == [STREAM]
     await broker.shutdown()
+
+
+async def test_an_idle_consumer_kept_out_by_the_fleet_gate_does_not_try_again(
+    server: Server, redis: Redis
+) -> None:
+    """The first trim is for what an older release or a stopped fleet left:
+    another broker's trim within the interval did that, so an idle fleet's
+    startup costs one gated call per consumer, not one a second each until
+    every consumer got through."""
+    await redis.set(trim_gate(STREAM), "1", px=60_000)  # another just trimmed
+    broker = AtomicRedisStreamBroker(server.url, queue_name=STREAM)
+    trimming = broker.atomic.trim
+    await trimming.trim_if_due(redis)
+    later = time.monotonic() + 3600
+    assert trimming.due(later) == []
+    trimming.read(STREAM)
+    assert trimming.due(later) == [STREAM]
+    await broker.shutdown()
