@@ -18,12 +18,14 @@ from redis.exceptions import RedisClusterException
 from taskiq import AckableMessage, AsyncBroker, BrokerMessage
 from taskiq.abc.result_backend import AsyncResultBackend
 
+from taskiq_atomic_claim.claim_gate import FleetCheck
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule, ScriptClaims
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.group_recovery import GroupPositions
 from taskiq_atomic_claim.heartbeat import Heartbeat
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.kicking import Kicker
 from taskiq_atomic_claim.liveness import LivenessThread
 from taskiq_atomic_claim.metrics import ReclaimMetrics
@@ -125,6 +127,15 @@ class AtomicParts:
         self.path = PathChoice(
             self.scripts, consumer, additional_streams, settings.delete_acked
         )
+        # One consumer of the fleet reading these streams looks for idle
+        # entries each claim interval.
+        fleet = FleetCheck(
+            StreamKeys(queue_name, group).claim_gate(self.streams),
+            consumer,
+            group,
+            settings.idle_timeout,
+            settings.claim_interval,
+        )
         self.claims = ScriptClaims(
             self.scripts,
             self.schedule,
@@ -133,6 +144,7 @@ class AtomicParts:
             group,
             consumer,
             read_count,
+            fleet,
             per_slot=self.connection.per_slot,
             before_call=before_call,
         )
@@ -165,9 +177,7 @@ class AtomicParts:
             self.streams,
             group,
             consumer,
-            LivenessThread(
-                self.in_flight, self.connection, settings.idle_timeout, self.streams
-            ),
+            LivenessThread(self.in_flight, self.connection, settings.idle_timeout),
         )
         self.kicker = Kicker(
             self.scripts,
@@ -195,6 +205,7 @@ class AtomicParts:
                 self.in_flight,
                 self.metrics,
                 self.trim,
+                fleet,
             ),
             path=self.path,
             groups=self.groups,

@@ -69,7 +69,7 @@ class AtomicRedisStreamBroker(AtomicBroker, RedisStreamBroker):
             at most idle_timeout (a longer one is cut, with a warning).
         :param claim_interval: ms between reclaim cycles; by default
             idle_timeout // 4. Must be below idle_timeout. A SIGKILLed
-            worker's tasks re-run within idle_timeout + claim_interval.
+            worker's tasks re-run within idle_timeout + 2 x claim_interval.
         :param max_deliveries: an entry whose task started this many times
             in workers that died running it goes to the dead-letter stream
             at the next reclaim; deliveries never started do not count.

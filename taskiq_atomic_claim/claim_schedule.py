@@ -9,12 +9,14 @@ one script call where the topology allows (one per hash slot on Cluster).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_streams
+from taskiq_atomic_claim.claim_gate import FleetCheck
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.cluster_client import slot_groups
 from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
@@ -45,6 +47,9 @@ class ClaimSchedule:
         self._claim_due: dict[str, float] = {}
         # Where reads reclaim, per stream: not before this (monotonic s).
         self._read_claims_from: dict[str, float] = {}
+        # Streams whose last claim came back full or cut short: claimed
+        # again at once, past the fleet's gate.
+        self._draining: set[str] = set()
 
     def begin(self) -> None:
         """A new listen(): every stream is due at once."""
@@ -97,10 +102,21 @@ class ClaimSchedule:
         interval = self.settings.claim_interval / 1000
         self._claim_due.update(dict.fromkeys(streams, started + interval))
 
+    def gated(self, streams: list[str]) -> list[str]:
+        """Of ``streams`` due, those only the fleet's gate lets this consumer
+        claim (``claim_gate.py``): all but a backlog this consumer drains."""
+        return [stream for stream in streams if stream not in self._draining]
+
+    def kept_out(self, streams: list[str], started: float, wait_s: float) -> None:
+        """The gate let another consumer look: due again ``wait_s`` on."""
+        self._claim_due.update(dict.fromkeys(streams, started + wait_s))
+
     def claimed(self, stream: str, outcome: ClaimOutcome, started: float) -> None:
         """Due again at once after a backlog, or past another's lease."""
+        self._draining.discard(stream)
         if outcome.full or outcome.next_cursor != "0-0":
             # A backlog, or a scan cut short at 10 x COUNT: go on.
+            self._draining.add(stream)
             self._claim_due[stream] = started
         elif outcome.lease_ttl_ms is not None:
             wait = outcome.lease_ttl_ms + self.settings.skip_wait
@@ -119,6 +135,7 @@ class ScriptClaims:
         group: str,
         consumer: str,
         read_count: int | None,
+        fleet: FleetCheck,
         *,
         per_slot: bool = False,
         before_call: BeforeCall = no_check,
@@ -131,6 +148,7 @@ class ScriptClaims:
         self.consumer = consumer
         self.settings = schedule.settings
         self.read_count = read_count
+        self.fleet = fleet
         # Cluster: one script call per hash slot (its keys must share one),
         # and a slot that cannot be claimed now is skipped, not fatal.
         self.per_slot = per_slot
@@ -242,7 +260,19 @@ class ScriptClaims:
         streams = self.schedule.streams if streams is None else streams
         started = time.monotonic()
         self.schedule.claiming(streams, started)
+        gated = self.schedule.gated(streams)
+        if gated:
+            await self.before_call(client)
+            if await self.fleet.enter(client):
+                idle = set(await self.fleet.idle_streams(client, gated))
+            else:
+                idle = set()
+                self.schedule.kept_out(gated, started, self.fleet.retry_after_s())
+            streams = [s for s in streams if s not in gated or s in idle]
         batch: list[tuple[str, str, dict[Any, Any]]] = []
+        if not streams:
+            return batch
+        backlog = False
         for group in self._claim_groups(streams):
             try:
                 outcomes = await self.claim_streams(client, group)
@@ -259,6 +289,10 @@ class ScriptClaims:
                     )
                     batch.append((stream, entry.id, entry.fields))
                 self.schedule.claimed(stream, outcome, started)
+                backlog = backlog or outcome.full
+        if backlog:
+            with contextlib.suppress(Exception):  # the gate then lapses itself
+                await self.fleet.open(client)
         return batch
 
     def _claim_groups(self, streams: list[str]) -> list[list[str]]:

@@ -18,6 +18,7 @@ Releases before this naming used ``{stream}`` alone (``legacy_*``), which let
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import string
 from dataclasses import dataclass
@@ -69,6 +70,15 @@ def trim_gate(stream: str) -> str:
     return f"{PREFIX}:trim:{slot_anchor(stream)}"
 
 
+def alive_prefix(group: str) -> str:
+    """What every alive key of ``group`` starts with: a string (coordination,
+    always expires within idle_timeout) per consumer, present while its
+    worker process lives (its liveness thread renews it every beat); what
+    operators read as alive. One per consumer whatever streams it reads, in
+    the group's slot (so one MGET reads a group's on Cluster too)."""
+    return f"{PREFIX}:alive:{slot_anchor(group)}:"
+
+
 @dataclass(frozen=True)
 class StreamKeys:
     """Coordination keys for one (stream, consumer group) pair."""
@@ -101,17 +111,27 @@ class StreamKeys:
 
     @property
     def alive_prefix(self) -> str:
-        """What every consumer's ``alive`` key of this pair starts with (the
-        group percent-encoded, so the consumer's name after it is never
-        mistaken for part of it)."""
-        group = self.group.replace("%", "%25").replace(":", "%3A")
-        return f"{PREFIX}:alive:{slot_anchor(self.stream)}:{group}:"
+        """What every consumer's ``alive`` key of the group starts with."""
+        return alive_prefix(self.group)
 
     def alive(self, consumer: str) -> str:
-        """A string (coordination, always expires within idle_timeout):
-        present while ``consumer``'s worker process lives (its liveness
-        thread renews it every beat); what operators read as alive."""
-        return self.alive_prefix + consumer
+        return alive_prefix(self.group) + consumer
+
+    @property
+    def claim_gate_prefix(self) -> str:
+        """What the claim gate of every fleet whose first stream this is
+        starts with (the group percent-encoded, as for ``alive``)."""
+        group = self.group.replace("%", "%25").replace(":", "%3A")
+        return f"{PREFIX}:gate:{slot_anchor(self.stream)}:{group}:"
+
+    def claim_gate(self, streams: list[str]) -> str:
+        """A string (coordination, always expires within a claim interval):
+        held by the consumer that checks ``streams`` for idle entries this
+        interval, for every consumer of the group reading exactly those
+        streams (``claim_gate.py``). In the first stream's slot; the streams
+        named by a digest, as a fleet may read many."""
+        digest = hashlib.sha256("\0".join(sorted(streams)).encode()).hexdigest()
+        return self.claim_gate_prefix + digest[:16]
 
     def colocated(self) -> bool:
         """Whether every key hashes to the stream's slot (Cluster needs this)."""
@@ -122,6 +142,6 @@ class StreamKeys:
             self.dead_letters,
             self.started,
             self.trim_gate,
-            self.alive_prefix,
+            self.claim_gate_prefix,
         )
         return all(key_slot(key.encode()) == slot for key in keys)

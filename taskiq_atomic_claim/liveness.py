@@ -36,7 +36,7 @@ from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
-from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.keys import alive_prefix
 from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -58,18 +58,14 @@ class LivenessThread:
         in_flight: EntryLifecycle,
         connection: Connection,
         idle_timeout: int,
-        streams: list[str],
     ) -> None:
         self.in_flight = in_flight
         self.connection = connection
         self.idle_timeout = idle_timeout
-        # This consumer's alive key on each stream's group: renewed every
-        # beat, it expires idle_timeout after the process stops beating.
+        # This consumer's alive key: renewed every beat, it expires
+        # idle_timeout after the process stops beating.
         self._announce_refused = False
-        self.alive_keys = [
-            StreamKeys(stream, in_flight.group).alive(in_flight.consumer)
-            for stream in streams
-        ]
+        self.alive_key = alive_prefix(in_flight.group) + in_flight.consumer
         self._thread: threading.Thread | None = None
         # The worker's loop, where results are handed back.
         self._owner: asyncio.AbstractEventLoop | None = None
@@ -172,29 +168,30 @@ class LivenessThread:
                 delay = beat
 
     async def _announce(self, client: ScriptClient) -> None:
-        """Renew this consumer's alive keys: what tells operators a
+        """Renew this consumer's alive key: what tells operators a
         consumer's process lives (a dead one's lapse within idle_timeout)."""
         now_ms = str(time.time_ns() // 1_000_000)
-        for key in self.alive_keys:
-            try:
-                await within(
-                    REPLY_MARGIN_S,
-                    client.execute_command("SET", key, now_ms, "PX", self.idle_timeout),
-                )
-            except Exception as error:
-                # Never the beat's failure: its resets went through or
-                # failed on their own. Out of memory the SET is refused;
-                # an ACL from before this key (re-run `acl`) refuses it too.
-                if classify(error).is_outage or self._announce_refused:
-                    logger.debug("Alive key not renewed: %s", error)
-                    continue
-                logger.warning(
-                    "Consumer %r cannot mark itself alive (%s); operators"
-                    " see it only by its idle time",
-                    self.in_flight.consumer,
-                    error,
-                )
-                self._announce_refused = True
+        try:
+            await within(
+                REPLY_MARGIN_S,
+                client.execute_command(
+                    "SET", self.alive_key, now_ms, "PX", self.idle_timeout
+                ),
+            )
+        except Exception as error:
+            # Never the beat's failure: its resets went through or failed on
+            # their own. Out of memory the SET is refused; an ACL from
+            # before this key (re-run `acl`) refuses it too.
+            if classify(error).is_outage or self._announce_refused:
+                logger.debug("Alive key not renewed: %s", error)
+                return
+            logger.warning(
+                "Consumer %r cannot mark itself alive (%s); operators"
+                " see it only by its idle time",
+                self.in_flight.consumer,
+                error,
+            )
+            self._announce_refused = True
 
     async def _beat(self, scripts: ScriptRunner, client: ScriptClient) -> None:
         """Reset the idle time of every held entry still owned; report

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from taskiq_atomic_claim.claim_gate import FleetCheck
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import crashed_out
@@ -40,8 +41,10 @@ class NativePathReads:
         scripts: ScriptRunner,
         in_flight: EntryLifecycle,
         metrics: ReclaimMetrics,
+        fleet: FleetCheck,
     ) -> None:
         self.reads = reads
+        self.fleet = fleet
         self.schedule = schedule
         self.settings = schedule.settings
         self.streams = schedule.streams
@@ -58,11 +61,18 @@ class NativePathReads:
     async def step(
         self, client: Any, read_from: dict[str, Any]
     ) -> list[tuple[str, str, dict[Any, Any]]]:
-        """One bounded read: one claim interval at most, after the rare
-        upkeep."""
-        await self.sweep_if_due(client)
+        """One bounded read, after the rare upkeep. Every read reclaims; the
+        consumer the fleet's gate lets through this claim interval reads
+        again within it, the others within their next try of the gate (one
+        to two intervals) or ``xread_block``, whichever comes first."""
         now = time.monotonic()
-        until = now + self.settings.claim_interval / 1000
+        if self.schedule.due_streams():
+            if await self.fleet.enter(client):
+                self.schedule.claiming(self.streams, now)
+                await self.sweep_if_due(client)
+            else:
+                self.schedule.kept_out(self.streams, now, self.fleet.retry_after_s())
+        until = self.schedule.next_claim
         aside = self.schedule.standing_aside(now)
         if aside:
             # Streams standing aside are read without CLAIM; the others

@@ -18,8 +18,8 @@ MAX_BATCH_SIZE = 10_000
 # ms. taskiq-redis's 600000 had to outlast the longest pause of any live
 # worker's event loop; here a thread keeps a live process's entries (see
 # liveness.py), so the default is set by what it costs instead:
-# - a SIGKILLed worker's task runs again within idle_timeout + claim_interval
-#   (6.25 s; Redis >= 8.4: idle_timeout plus one read, about the same);
+# - a SIGKILLed worker's task runs again within idle_timeout + claim_interval,
+#   two if it was the one looking (6.25-7.5 s; claim_gate.py);
 # - a server stall (DEBUG SLEEP, a slow script or command, CLIENT PAUSE during a
 #   failover), a restart, or a worker cut off from the server, for longer than
 #   this makes every entry held through it look idle when it ends: it may

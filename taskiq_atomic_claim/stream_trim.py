@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from taskiq_atomic_claim.claim_gate import FleetCheck
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule
 from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.keys import trim_gate
@@ -210,8 +211,9 @@ class TrimmedNativeReads(NativePathReads):
         in_flight: EntryLifecycle,
         metrics: ReclaimMetrics,
         trim: StreamTrim,
+        fleet: FleetCheck,
     ) -> None:
-        super().__init__(reads, schedule, scripts, in_flight, metrics)
+        super().__init__(reads, schedule, scripts, in_flight, metrics, fleet)
         self.trim = trim
 
     async def step(

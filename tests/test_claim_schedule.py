@@ -160,10 +160,13 @@ async def test_two_workers_share_a_mass_recovery(
     make_broker: Any, redis: Redis
 ) -> None:
     await orphan(redis, "jobs", 60)
+    # The fleet's gate lets one worker look; its full batch opens the gate,
+    # so the other joins at its next try (within two claim intervals).
     workers = [
         await make_broker(
             queue_name="jobs",
             idle_timeout=120_000,
+            claim_interval=500,
             xread_count=5,
             consumer_name=name,
         )
@@ -203,6 +206,10 @@ async def test_a_non_holder_makes_no_claim_while_the_lease_it_was_told_of_lives(
     )
     async with holder.atomic.connection.connect() as client:
         assert not (await holder.atomic.claims.claim(client, "jobs")).skipped
+    # Idle since, so the fleet's check sends the claim.
+    lost = await redis.xadd("jobs", {"data": b"orphan"})
+    await redis.xreadgroup(GROUP, "dead", {"jobs": ">"})
+    await redis.xclaim("jobs", GROUP, "dead", 0, [lost], idle=DAY_MS, justid=True)
     other = await make_broker(
         queue_name="jobs",
         idle_timeout=60_000,
@@ -254,3 +261,29 @@ async def test_a_scan_cut_short_goes_on_before_the_interval(
     )
     taken = await take(broker.listen(), 1, within_s=20)
     assert [message.data for message in taken] == [b"orphan"]
+
+
+async def test_an_idle_fleet_looks_once_per_interval_and_claims_nothing(
+    make_broker: Any, redis: Redis
+) -> None:
+    """One consumer of the fleet looks each claim interval (the gate), with a
+    plain XPENDING: no claim script runs while nothing is idle, however
+    many workers listen."""
+    await redis.xgroup_create("jobs", GROUP, id="0", mkstream=True)
+    brokers = [
+        await make_broker(
+            queue_name="jobs",
+            idle_timeout=4000,
+            claim_interval=500,
+            consumer_name=f"w{number}",
+        )
+        for number in range(4)
+    ]
+    await redis.config_resetstat()
+    listening = [take(broker.listen(), 1, within_s=2.0) for broker in brokers]
+    assert await asyncio.gather(*listening) == [[]] * 4
+    stats = await redis.info("commandstats")
+    assert "cmdstat_xautoclaim" not in stats
+    # Four looks in 2 s (one per interval, fleet-wide) and the trims' own:
+    # without the gate each worker would look each interval (16).
+    assert stats.get("cmdstat_xpending", {"calls": 0})["calls"] <= 10

@@ -87,7 +87,9 @@ Keys, per stream S:
     ~taskiq-atomic-claim:dead:{S}:S:G
     ~taskiq-atomic-claim:started:{S}:S:G
     ~taskiq-atomic-claim:trim:{S}:S
-    ~taskiq-atomic-claim:alive:{S}:S:G:*
+    ~taskiq-atomic-claim:gate:{S}:S:G:*
+  and once:
+    ~taskiq-atomic-claim:alive:{G}:G:*
   (Inside the braces, the part of S Redis hashes: its hash tag, or all of
   S; after them, S with % and : percent-encoded; see keys.py.)
   Glob characters * ? [ ] \\ in names are escaped; ASCII whitespace and
@@ -148,8 +150,8 @@ def worker_key_patterns(
             keys.trim_gate,
         ):
             patterns.append("~" + (acl_pattern(key) if literal else key))
-        alive = keys.alive_prefix
-        patterns.append("~" + (acl_pattern(alive) if literal else alive) + "*")
+        for prefix in (keys.alive_prefix, keys.claim_gate_prefix):
+            patterns.append("~" + (acl_pattern(prefix) if literal else prefix) + "*")
     return list(dict.fromkeys(patterns))
 
 

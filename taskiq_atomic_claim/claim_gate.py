@@ -1,0 +1,94 @@
+"""Which consumer of a fleet looks for idle entries each claim interval, and
+where it finds them (``FleetCheck``).
+
+Without it every consumer looks every claim interval, so an idle fleet's
+claim work grows with its workers. One expiring key per (group, streams),
+``SET NX PX claim_interval``, lets one consumer through per interval; the
+others try again one to two intervals later, at random, so when the one
+that got through dies another does within two intervals (a SIGKILLed
+worker's task runs again within idle_timeout + 2 claim intervals). The one
+that gets through looks with ``XPENDING ... IDLE``, a plain read that
+changes no owner, and only the streams where it finds an entry idle for
+idle_timeout go to the claim, which checks everything again in its own
+step. A claim that comes back full opens the gate: a backlog is drained
+by every consumer that tries next, not by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.server_errors import Fault, classify
+
+logger = logging.getLogger("taskiq.atomic_claim")
+
+
+class FleetCheck:
+    """One consumer's side of its fleet's claim gate."""
+
+    def __init__(
+        self,
+        key: str,
+        consumer: str,
+        group: str,
+        idle_timeout_ms: int,
+        interval_ms: int,
+    ) -> None:
+        self.key = key
+        self.consumer = consumer
+        self.group = group
+        self.idle_timeout_ms = idle_timeout_ms
+        self.interval_ms = interval_ms
+        # An ACL from before the gate refuses its key: every consumer then
+        # looks each interval, as without a gate.
+        self._refused = False
+
+    async def enter(self, client: ScriptClient) -> bool:
+        """Whether this consumer looks this interval."""
+        if self._refused:
+            return True
+        try:
+            got = await client.execute_command(
+                "SET", self.key, self.consumer, "NX", "PX", self.interval_ms
+            )
+        except Exception as error:
+            if classify(error) is not Fault.FORBIDDEN:
+                raise
+            logger.warning(
+                "Consumer %r cannot use the fleet's claim gate (%s): it looks"
+                " for idle entries every claim interval; re-run"
+                " `taskiq-atomic-claim acl` for the new key",
+                self.consumer,
+                error,
+            )
+            self._refused = True
+            return True
+        return bool(got)
+
+    async def open(self, client: ScriptClient) -> None:
+        """A claim came back full (a backlog): let the next consumer that
+        tries in, so every consumer with room joins the drain within two
+        intervals."""
+        await client.execute_command("DEL", self.key)
+
+    def retry_after_s(self) -> float:
+        """When a consumer kept out tries again: one to two intervals on."""
+        return self.interval_ms / 1000 * (1 + random.random())  # noqa: S311
+
+    async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
+        """``streams`` with an entry pending for idle_timeout or longer, or
+        whose check the server refused (the claim then reports why)."""
+        async with client.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xpending_range(
+                    stream, self.group, "-", "+", 1, idle=self.idle_timeout_ms
+                )
+            replies = await pipe.execute(raise_on_error=False)
+        return [
+            stream
+            for stream, reply in zip(streams, replies, strict=True)
+            if reply or isinstance(reply, Exception)
+        ]
