@@ -12,8 +12,9 @@ are the dead letters' count.
 
 The count is an observation, never a reason to fail a claim or a read: a
 server refusing it (an ACL from before this key, out of memory) leaves it
-behind. It lapses after a day without reclaims, or is deleted: a reader
-takes a decrease for a reset (``increase``).
+behind: silently inside the script, with one warning after a read. It
+lapses after a day without reclaims, or is deleted: a reader takes a
+decrease for a reset (``increase``).
 """
 
 from __future__ import annotations
@@ -69,5 +70,7 @@ class ReclaimCounter:
 
 def increase(previous: int, current: int) -> int:
     """What a count read ``previous`` then ``current`` rose by: a decrease
-    is a reset (the key lapsed or was deleted), counted again from 0."""
+    is a reset (the key lapsed or was deleted), counted again from 0. A
+    reset followed by ``previous`` reclaims or more before the next read
+    looks like growth: ``previous`` of them are missed."""
     return current - previous if current >= previous else current
