@@ -49,8 +49,15 @@ async def test_a_killed_workers_tasks_reclaimed_elsewhere_are_counted_once_each(
                     "started", deadline, run, "survivor"
                 )
                 assert rerun is not None, f"{run} never ran again"
-            # Past a few more claim cycles (and reads) of the survivor: each
-            # entry counted once, however often it looks again.
+            # New tasks are reads, not reclaims; and past a few more claim
+            # cycles (and reads) of the survivor each entry is counted once,
+            # however often it looks again.
+            for n in range(2):
+                await queue.kick(TASK_NAME, f"new-{n}", 0.1)
+            for n in range(2):
+                assert await queue.events.wait_for(
+                    "finished", deadline, f"new-{n}", "survivor"
+                )
             await asyncio.sleep(2 * IDLE_MS / 1000)
             assert await redis.get(keys.reclaimed) == str(TASKS).encode()
             assert 0 < await redis.pttl(keys.reclaimed) <= RECLAIMED_TTL_MS
