@@ -3,14 +3,16 @@
   list (PEL) to the calling consumer, for one or several streams in one call;
   per stream at most one consumer per lease period while its scan is idle.
 
-  KEYS, five per stream, stream after stream (i = 0, 1, ...):
-  KEYS[5i+1]  stream                 data, never given an expiry
-  KEYS[5i+2]  lease key              coordination: holder name, always expires
-  KEYS[5i+3]  cursor key             coordination: XAUTOCLAIM cursor, always expires
-  KEYS[5i+4]  dead-letter stream     data, never given an expiry
-  KEYS[5i+5]  started hash           coordination, always expires: entry id ->
+  KEYS, six per stream, stream after stream (i = 0, 1, ...):
+  KEYS[6i+1]  stream                 data, never given an expiry
+  KEYS[6i+2]  lease key              coordination: holder name, always expires
+  KEYS[6i+3]  cursor key             coordination: XAUTOCLAIM cursor, always expires
+  KEYS[6i+4]  dead-letter stream     data, never given an expiry
+  KEYS[6i+5]  started hash           coordination, always expires: entry id ->
                                      starts not followed by an ack
                                      (task_records.py)
+  KEYS[6i+6]  reclaimed count        coordination, always expires: entries
+                                     reclaimed lately (reclaim_count.py)
 
   ARGV[1]  group
   ARGV[2]  consumer                  the claimer, recorded as lease holder
@@ -26,7 +28,9 @@
   ARGV[7]  delete_acked              "1": dead-lettered entries are acked with
                                      XACKDEL ... ACKED (Redis >= 8.2), as
                                      a task's ack; anything else: XACK only
-  ARGV[8+i]  counts                  XAUTOCLAIM COUNT for stream i
+  ARGV[8]  reclaimed_ttl_ms          the reclaimed count's lifetime, renewed
+                                     at each increment
+  ARGV[9+i]  counts                  XAUTOCLAIM COUNT for stream i
 
   Returns one reply per stream, in KEYS order, each one of
     {"skipped", holder, lease_pttl_ms}
@@ -34,7 +38,8 @@
     {"claimed", next_cursor, {{id, crashes}, ...},
      {trimmed_id, ...}, {{dead_lettered_id, data}, ...}, full}
         ids of the entries now owned by ARGV[2], without their fields (the
-        caller reads those; see below), each with its crashes
+        caller reads those; see below), added to the reclaimed count,
+        each with its crashes
         (starts in workers that died running it; left out when ARGV[6] is
         0); trimmed ids were pending but their stream entry is gone
         (trimmed or XDEL'd) and were removed from the PEL (Redis 6.2 lists
@@ -60,8 +65,9 @@
 
   Invariant: the only owner changes are XAUTOCLAIM's, which checks each
   entry's idle time in this step, and the count raise, on entries this step
-  gave the caller. The lease and the cursor key never exist without an
-  expiry, whatever wrote them. The script runs atomically, so no client
+  gave the caller. The lease, the cursor and the reclaimed count never
+  exist without an expiry, whatever wrote them (the count is raised and
+  given its expiry in this step, and only when something was claimed). The script runs atomically, so no client
   crash can leave the lease half-taken: either the claim and the lease both
   happened or neither did.
 ]]
@@ -73,6 +79,7 @@ local group, consumer = ARGV[1], ARGV[2]
 local min_idle_ms, lease_ms, cursor_ttl_ms = ARGV[3], ARGV[4], ARGV[5]
 local max_deliveries = tonumber(ARGV[6])
 local delete_acked = ARGV[7] == "1"
+local reclaimed_ttl_ms = ARGV[8]
 
 -- The claimed entries' delivery counts, one up each: what XAUTOCLAIM
 -- without JUSTID does. Only on entries this script just gave the consumer,
@@ -94,7 +101,18 @@ local function raise_delivery_counts(stream, ids)
   end
 end
 
-local function claim_stream(stream, lease_key, cursor_key, dead_letters, started, count)
+-- An observation, never the claim's failure: pcall, so a server refusing
+-- it (an ACL from before the key) leaves the claim whole. PEXPIRE follows
+-- every INCRBY that went through (a worker refused PEXPIRE starts no task:
+-- a start sets the started hash's expiry with it).
+local function count_reclaimed(key, amount)
+  if amount > 0 and type(redis.pcall("INCRBY", key, amount)) == "number" then
+    redis.pcall("PEXPIRE", key, reclaimed_ttl_ms)
+  end
+end
+
+local function claim_stream(stream, lease_key, cursor_key, dead_letters, started,
+    reclaimed, count)
   local holder = redis.call("GET", lease_key)
   if holder and holder ~= consumer then
     local lease_pttl = redis.call("PTTL", lease_key)
@@ -159,6 +177,7 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
       claimed[#claimed + 1] = {id}
     end
   end
+  count_reclaimed(reclaimed, #claimed)
 
   -- A full batch means a backlog: leave the lease free so every claimer
   -- with room takes a share. An idle scan holds it, so a crowd of idle
@@ -178,8 +197,8 @@ local function claim_stream(stream, lease_key, cursor_key, dead_letters, started
 end
 
 local replies = {}
-for i = 0, #KEYS / 5 - 1 do
-  replies[i + 1] = claim_stream(KEYS[5 * i + 1], KEYS[5 * i + 2], KEYS[5 * i + 3],
-    KEYS[5 * i + 4], KEYS[5 * i + 5], ARGV[8 + i])
+for i = 0, #KEYS / 6 - 1 do
+  replies[i + 1] = claim_stream(KEYS[6 * i + 1], KEYS[6 * i + 2], KEYS[6 * i + 3],
+    KEYS[6 * i + 4], KEYS[6 * i + 5], KEYS[6 * i + 6], ARGV[9 + i])
 end
 return replies

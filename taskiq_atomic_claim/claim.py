@@ -27,6 +27,7 @@ from redis.exceptions import ResponseError
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import ClaimKeys, claim_call
+from taskiq_atomic_claim.reclaim_count import RECLAIMED_TTL_MS
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -110,7 +111,12 @@ def _parse(reply: list[Any]) -> ClaimOutcome:
 def _script_keys(keys: StreamKeys) -> ClaimKeys:
     # Built once per stream, not per claim: claims are a hot path.
     return ClaimKeys(
-        keys.stream, keys.lease, keys.cursor, keys.dead_letters, keys.started
+        keys.stream,
+        keys.lease,
+        keys.cursor,
+        keys.dead_letters,
+        keys.started,
+        keys.reclaimed,
     )
 
 
@@ -158,6 +164,7 @@ async def claim_streams(
             cursor_ttl_ms=settings.cursor_ttl,
             max_deliveries=settings.max_deliveries,
             delete_acked=settings.delete_acked,
+            reclaimed_ttl_ms=RECLAIMED_TTL_MS,
             counts=counts,
         ),
     )

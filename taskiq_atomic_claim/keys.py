@@ -106,6 +106,13 @@ class StreamKeys:
         return f"{PREFIX}:started:{slot_anchor(self.stream)}:{self.group}"
 
     @property
+    def reclaimed(self) -> str:
+        """A string (coordination, always expires): entries of the pair
+        reclaimed lately, counted by the workers that reclaim them; see
+        ``reclaim_count.py``."""
+        return f"{PREFIX}:reclaimed:{slot_anchor(self.stream)}:{self.group}"
+
+    @property
     def trim_gate(self) -> str:
         return trim_gate(self.stream)
 
@@ -141,6 +148,7 @@ class StreamKeys:
             self.cursor,
             self.dead_letters,
             self.started,
+            self.reclaimed,
             self.trim_gate,
             self.claim_gate_prefix,
         )

@@ -23,6 +23,7 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.operations import drop_trimmed_call
 from taskiq_atomic_claim.reads import GroupReads
+from taskiq_atomic_claim.reclaim_count import ReclaimCounter
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
@@ -53,6 +54,7 @@ class NativePathReads:
         self.scripts = scripts
         self.in_flight = in_flight
         self.metrics = metrics
+        self.reclaim_counter = ReclaimCounter(self.group)
         # When drop_trimmed runs next, and where in each stream's PEL it
         # goes on.
         self._next_sweep = time.monotonic() + self.settings.idle_timeout / 1000
@@ -154,7 +156,8 @@ class NativePathReads:
         """What a claiming read returned, minus the reclaimed entries whose
         task started max_deliveries times in workers that died (moved to
         dead letters, as the Lua claim does): one HMGET per stream that had
-        reclaimed entries."""
+        reclaimed entries; the others counted on the server, as the Lua
+        claim counts them (reclaim_count.py)."""
         reclaimed: dict[str, list[str]] = {}
         for stream, entry_id, _, maybe_reclaimed in read:
             if maybe_reclaimed:
@@ -166,6 +169,7 @@ class NativePathReads:
             logger.debug("Reclaimed %d idle entries from stream %r", len(ids), stream)
             if not max_deliveries:
                 self.in_flight.add(stream, ids, reclaimed=True)
+                await self.reclaim_counter.add(client, stream, len(ids))
                 continue
             keys = StreamKeys(stream, self.group)
             counts = await client.execute_command("HMGET", keys.started, *ids)
@@ -180,6 +184,9 @@ class NativePathReads:
                 poisoned.add((stream, entry_id))
             await self.in_flight.dead_lettering.move_crashed_out(
                 client, keys, crashed_out_ids
+            )
+            await self.reclaim_counter.add(
+                client, stream, len(ids) - len(crashed_out_ids)
             )
         return [
             (stream, entry_id, fields)

@@ -76,12 +76,13 @@ class Operation(Generic[ReplyT]):
 # ["claimed", cursor, entries, trimmed ids, [[dead-lettered id, data], ...]] or
 # ["skipped", holder, lease ttl ms]; parsed by ``claim.py``.
 # Out of memory too: where reads reclaim (Redis >= 8.4) they do anyway, and
-# refused, a crashed worker's tasks wait for memory. Its lease and cursor
-# are two small expiring keys; a dead-lettered copy is one per entry that
-# crashed max_deliveries workers, acked (deleted with delete_acked) at once.
+# refused, a crashed worker's tasks wait for memory. Its lease, cursor and
+# reclaimed count are three small expiring keys; a dead-lettered copy is one
+# per entry that crashed max_deliveries workers, acked (deleted with
+# delete_acked) at once.
 CLAIM: Operation[list[Any]] = Operation(
     "claim",
-    ("stream", "lease", "cursor", "dead_letters", "started"),
+    ("stream", "lease", "cursor", "dead_letters", "started", "reclaimed"),
     repeated=True,
     allow_oom=True,
 )
@@ -175,6 +176,7 @@ class ClaimKeys(NamedTuple):
     cursor: str
     dead_letters: str
     started: str
+    reclaimed: str
 
 
 def _flag(value: bool) -> int:
@@ -193,6 +195,7 @@ def claim_call(
     cursor_ttl_ms: int,
     max_deliveries: int,
     delete_acked: bool,
+    reclaimed_ttl_ms: int,
     counts: Sequence[int],
 ) -> OperationCall[list[Any]]:
     """``keys`` and ``counts``: one each per stream, in the same order."""
@@ -212,6 +215,7 @@ def claim_call(
             cursor_ttl_ms,
             max_deliveries,
             _flag(delete_acked),
+            reclaimed_ttl_ms,
             *counts,
         ),
     )

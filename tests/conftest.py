@@ -97,6 +97,7 @@ WORKER_ACL_MODULES = frozenset(
         "test_readonly",
         "test_started_semantics",
         "test_liveness",
+        "test_reclaim_count",
     }
 )
 # What those tests' workers read: queue "taskiq" with additional stream
@@ -298,6 +299,9 @@ PATH_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
     # a live worker's entry differs per path.
     "test_liveness": (LUA_PATH, NATIVE_PATH),
     "test_tracing": (LUA_PATH, NATIVE_PATH),
+    # Reclaims are counted inside the claim script, or after a read that
+    # reclaimed.
+    "test_reclaim_count": (LUA_PATH, NATIVE_PATH),
 }
 
 

@@ -189,6 +189,26 @@ async def test_the_rule_is_enough_and_nothing_in_it_is_spare(
         assert any(_same(d, command[1:]) for d in denied), (command, denied)
 
 
+async def test_a_rule_from_before_the_reclaimed_count_still_reclaims(
+    server: Server, redis: Redis
+) -> None:
+    # The count is an observation (reclaim_count.py): refused, the claim and
+    # the read go on (the scenario gets the orphan back), uncounted.
+    version = await version_of(redis)
+    counting = {"+incrby"} | {
+        "~" + acl_pattern(StreamKeys(stream, GROUP).reclaimed)
+        for stream in (QUEUE, SIDE)
+    }
+    rule = worker_acl_rule([QUEUE, SIDE], GROUP, version)
+    await set_user(redis, [r for r in rule if r not in counting])
+    await server_command(redis, "ACL", "LOG", "RESET")
+    await exercise(with_user(server.url, USER, PASSWORD), redis)
+    denied = await refused(redis)
+    assert denied, "the scenario reclaims nothing"
+    assert all(d == "incrby" or ":reclaimed:" in d for d in denied), denied
+    assert await redis.exists(StreamKeys(QUEUE, GROUP).reclaimed) == 0
+
+
 async def test_commands_and_keys_outside_the_rule_are_refused(
     server: Server, redis: Redis
 ) -> None:

@@ -11,6 +11,7 @@ from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_idle_entries
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.reclaim_count import RECLAIMED_TTL_MS
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LoadMode, ScriptRunner
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -290,3 +291,33 @@ async def test_the_claim_script_reads_no_entry_s_fields(redis: Redis) -> None:
     assert [words for words in commands if words[0] == "XCLAIM"]
     assert not [words for words in commands if words[0] == "XREAD"]
     assert len([words for words in commands if words[0] == "XRANGE"]) == 100
+
+
+async def test_the_claim_counts_the_entries_it_hands_over_with_an_expiry(
+    redis: Redis,
+) -> None:
+    # What serve's history draws as reclaimed/s (reclaim_count.py): raised
+    # by the entries given to the claimer, in the claim's own step; entries
+    # dead-lettered instead are not reclaims; a claim of nothing writes
+    # nothing.
+    ids = await pending_for(redis, "dead", 4)
+    runner = ScriptRunner()
+    busy = await claim(redis, "alive", settings(idle_timeout=60_000), runner)
+    assert busy.entries == []
+    assert await redis.exists(KEYS.reclaimed) == 0
+    # The first entry's task crashed 5 workers (the default max_deliveries).
+    await redis.hset(KEYS.started, ids[0], 5)
+    await redis.pexpire(KEYS.started, 60_000)
+    await asyncio.sleep(0.05)
+    outcome = await claim(redis, "alive", settings(), runner)
+    assert (len(outcome.entries), outcome.dead_lettered) == (3, [ids[0].decode()])
+    assert await redis.get(KEYS.reclaimed) == b"3"
+    assert 0 < await redis.pttl(KEYS.reclaimed) <= RECLAIMED_TTL_MS
+    await redis.pexpire(KEYS.reclaimed, 60_000)
+    # Idle again at their new owner: taken again, counted again, the
+    # expiry renewed.
+    await asyncio.sleep(0.05)
+    again = await claim(redis, "other", settings(), runner)
+    assert len(again.entries) == 3
+    assert await redis.get(KEYS.reclaimed) == b"6"
+    assert await redis.pttl(KEYS.reclaimed) > 60_000

@@ -28,6 +28,7 @@ from taskiq_atomic_claim.cluster_client import SlotRoutedClient, _age, slot_grou
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
 from taskiq_atomic_claim.server_info import NATIVE_CLAIM, ScriptingUnavailableError
 from tests.test_cli import cli
@@ -720,6 +721,15 @@ async def _reclaim_round(
     await survivor.stop()
     for stream in streams:
         assert await pending(second, stream) == 0
+    # Each reclaim counted once, in its stream's slot (reclaim_count.py).
+    counted = {}
+    for node in cluster.primaries:
+        with node_client(node) as client:
+            for key in client.keys("taskiq-atomic-claim:reclaimed:*"):
+                counted[text(key)] = int(client.get(key))
+    group = second.consumer_group_name
+    expected = {StreamKeys(stream, group).reclaimed: 2 for stream in streams}
+    assert counted == expected
     return second
 
 

@@ -42,6 +42,7 @@ GROUP_KEYS = [
     "lease",
     "cursor",
     "dead_letters",
+    "reclaimed",
 ]
 CONSUMER_KEYS = ["name", "pending", "idle_ms", "oldest_pending_idle_ms"]
 
@@ -62,6 +63,8 @@ async def busy_group(redis: Redis) -> None:
     outcome = await claim_idle_entries(ScriptRunner(), redis, KEYS, "carol", settings)
     assert not outcome.skipped and not outcome.entries
     await redis.set(KEYS.cursor, "5-0", px=60_000)
+    # As a worker's reclaims leave it (reclaim_count.py).
+    await redis.set(KEYS.reclaimed, 7, px=60_000)
     for number in range(2):
         await redis.xadd(KEYS.dead_letters, {"data": f"d{number}"})
     await asyncio.sleep(0.05)  # idle times above 0
@@ -93,6 +96,7 @@ async def test_the_numbers_of_a_busy_group(server: Server, redis: Redis) -> None
     assert group.cursor.ttl_ms is not None and 0 < group.cursor.ttl_ms <= 60_000
     assert group.dead_letters == 2
     assert group.dead_letters_key == KEYS.dead_letters
+    assert group.reclaimed == 7
     assert seen.library.name == LIBRARY.name
     assert seen.library.state == "current"
     if server.major >= 7:
@@ -124,6 +128,7 @@ async def test_json_is_the_documented_shape(server: Server, redis: Redis) -> Non
     assert [c["name"] for c in group["consumers"]][:2] == ["alice", "bob"]
     assert group["lease"]["holder"] == "carol"
     assert group["dead_letters"] == {"key": KEYS.dead_letters, "count": 2}
+    assert group["reclaimed"] == {"key": KEYS.reclaimed, "count": 7}
     # Every key the code emits is named in the module's documentation.
     doc = inspection_json_module.__doc__ or ""
     for key in {*TOP, *LIBRARY_KEYS, *STREAM_KEYS, *GROUP_KEYS, *CONSUMER_KEYS}:
@@ -183,7 +188,7 @@ async def test_table_for_people(server: Server, redis: Redis) -> None:
     assert "group 'workers': 3 pending" in out
     assert "lease held by 'carol'" in out
     assert "cursor 5-0" in out
-    assert "2 dead letters" in out
+    assert "2 dead letters; 7 reclaimed" in out
     for name in ("'alice'", "'bob'"):
         assert name in out
 

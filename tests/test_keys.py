@@ -28,7 +28,7 @@ names = st.text(
 
 
 def every_key(keys: StreamKeys) -> list[str]:
-    return [keys.lease, keys.cursor, keys.dead_letters]
+    return [keys.lease, keys.cursor, keys.dead_letters, keys.started, keys.reclaimed]
 
 
 @settings(max_examples=2000, deadline=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,12 +30,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from taskiq_atomic_claim import AtomicRedisStreamBroker
+from taskiq_atomic_claim.claim import claim_idle_entries
 from taskiq_atomic_claim.cli.main import main
 from taskiq_atomic_claim.dead_letters import move_to_dead_letters
 from taskiq_atomic_claim.harness.embedded_server import free_port
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
+from taskiq_atomic_claim.settings import ClaimSettings
+from taskiq_atomic_claim.web.history import FIELDS
 from tests.conftest import Server
 from tests.test_cli import cli_in_process
 from tests.test_oom import until
@@ -499,6 +503,25 @@ async def test_the_page_diagnoses_finds_tasks_and_draws_history_in_a_browser(
                 )
                 png = await page.screenshot(path=str(shot), full_page=True)
                 assert png.startswith(b"\x89PNG")
+
+                # Reclaims, as the workers count them: drawn as a rate.
+                reclaimed = group.locator('[data-k="spark-reclaimed"]')
+                await expect(reclaimed.locator("figcaption")).to_have_text(
+                    "reclaimed 0.00/s"
+                )
+                settings = ClaimSettings.from_broker_arguments(
+                    idle_timeout=300,
+                    claim_interval=None,
+                    unacknowledged_batch_size=100,
+                    unacknowledged_lock_timeout=None,
+                )
+                outcome = await claim_idle_entries(
+                    ScriptRunner(), redis, keys, "worker-live", settings
+                )
+                assert len(outcome.entries) == 3  # worker-dead's
+                await expect(reclaimed.locator("svg title")).to_have_text(
+                    re.compile(r"^reclaimed: max (?!0\.00/s)[0-9.]+/s over")
+                )
             finally:
                 await browser.close()
     finally:
@@ -851,3 +874,46 @@ async def test_dead_letters_added_lately_are_told_from_old_ones(
     history = reader.history.to_json()
     [samples] = [g["samples"] for g in history["groups"] if g["stream"] == queue]
     assert [s[3] for s in samples] == [2, 2, 3]
+
+
+async def test_the_history_counts_reclaims_through_a_reset_of_the_count(
+    redis: Redis, queue: str
+) -> None:
+    # The workers' count (reclaim_count.py) as serve samples it: a running
+    # total that a lapsed or deleted count does not lower (a decrease is a
+    # reset: what the count reads after it was reclaimed since).
+    from taskiq_atomic_claim.web import create_app  # noqa: PLC0415
+
+    reader = create_app(redis, streams=[queue], sample_s=0.05).state.reader
+    keys = StreamKeys(queue, GROUP)
+
+    def settings(batch: int) -> ClaimSettings:
+        return ClaimSettings.from_broker_arguments(
+            idle_timeout=20,
+            claim_interval=None,
+            unacknowledged_batch_size=batch,
+            unacknowledged_lock_timeout=0.01,
+        )
+
+    async def sample() -> None:
+        await asyncio.sleep(0.06)
+        reader.expire()
+        await reader.latest()
+
+    async def reclaim(consumer: str, batch: int) -> int:
+        await asyncio.sleep(0.03)  # idle past idle_timeout, the lease gone
+        outcome = await claim_idle_entries(
+            ScriptRunner(), redis, keys, consumer, settings(batch)
+        )
+        return len(outcome.entries)
+
+    await sample()
+    assert await reclaim("worker-live", 100) == 3  # worker-dead's
+    await sample()
+    await sample()
+    await redis.delete(keys.reclaimed)  # as its expiry would
+    assert await reclaim("worker-other", 2) == 2
+    await sample()
+    assert await redis.get(keys.reclaimed) == b"2"
+    [samples] = [g["samples"] for g in reader.history.to_json()["groups"]]
+    assert [s[FIELDS.index("reclaimed")] for s in samples] == [0, 3, 3, 5]

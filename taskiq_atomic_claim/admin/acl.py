@@ -34,7 +34,12 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("set", "inside claim: lease, cursor; trim_consumed: its gate (always PX)"),
     ("del", "inside claim: finished cursor"),
     ("pttl", "inside claim: lease lifetime"),
-    ("pexpire", "inside claim: bound a lease written without expiry; start"),
+    (
+        "pexpire",
+        "inside claim: bound a lease written without expiry, the reclaimed"
+        " count's expiry; start; after a read that reclaimed",
+    ),
+    ("incrby", "inside claim, after a read that reclaimed: count reclaims"),
     ("hincrby", "start; inside hand_back: count a task's starts"),
     ("hsetnx", "start: the field that keeps the started hash a hash table"),
     ("hmget", "inside claim: start counts of the claimed entries"),
@@ -86,6 +91,7 @@ Keys, per stream S:
     ~taskiq-atomic-claim:cursor:{S}:S:G
     ~taskiq-atomic-claim:dead:{S}:S:G
     ~taskiq-atomic-claim:started:{S}:S:G
+    ~taskiq-atomic-claim:reclaimed:{S}:S:G
     ~taskiq-atomic-claim:trim:{S}:S
     ~taskiq-atomic-claim:gate:{S}:S:G:*
   and once:
@@ -98,8 +104,8 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer +xinfo|consumers
-    +multi +exec +xtrim
+    +incrby +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer
+    +xinfo|consumers +multi +exec +xtrim
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
@@ -147,6 +153,7 @@ def worker_key_patterns(
             keys.cursor,
             keys.dead_letters,
             keys.started,
+            keys.reclaimed,
             keys.trim_gate,
         ):
             patterns.append("~" + (acl_pattern(key) if literal else key))

@@ -2,11 +2,12 @@
 
 ``inspect_server`` reads, never writes. Per stream and consumer group it
 reports the pending-entries list (PEL) with each consumer's share, the lease
-and cursor keys of ``lua/claim.lua`` with their remaining lifetimes, and the
-dead-letter count; once per server, the state of this release's script
-library. Without explicit streams it discovers them with a bounded
-``SCAN ... TYPE stream``; this package's own dead-letter streams are not
-listed as streams, they are reported with their group.
+and cursor keys of ``lua/claim.lua`` with their remaining lifetimes, the
+dead-letter count and the workers' count of reclaims (``reclaim_count.py``);
+once per server, the state of this release's script library. Without
+explicit streams it discovers them with a bounded ``SCAN ... TYPE stream``;
+this package's own dead-letter streams are not listed as streams, they are
+reported with their group.
 
 The JSON form and its documented shape: ``inspection_json.py``.
 
@@ -76,6 +77,9 @@ class GroupView:
     dead_letters: int
     gauges: GroupGauges  # the same reading, as the gauges export it
     entries_read: int | None = None  # delivered since the group was made
+    # Entries reclaimed lately, as the workers counted them (0: none, or
+    # the count lapsed); serve's history draws its rate.
+    reclaimed: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,14 +133,23 @@ async def discover_streams(client: Redis) -> tuple[list[str], bool]:
     return sorted(found)[:MAX_STREAMS], True
 
 
-async def _key_view(client: ScriptClient, key: str) -> KeyView:
-    value = await client.execute_command("GET", key)
+async def _key_view(client: ScriptClient, key: str, value: Any) -> KeyView:
+    """``key`` read as ``value``, with its lifetime."""
     if value is None:
         return KeyView(key, None, None)
     ttl = int(await client.execute_command("PTTL", key))
     # -2: expired between the two calls; -1: no expiry (claim.lua never
     # leaves one, but something else might write the key).
     return KeyView(key, text(value), None if ttl == -2 else ttl)
+
+
+def _count(value: Any) -> int:
+    """A count key's value; 0 when absent or not a count (written by
+    something else)."""
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
 
 
 def _first_consumers(
@@ -184,8 +197,12 @@ async def inspect_stream(
     groups = []
     for name in names:
         keys = StreamKeys(stream, name)
-        lease = await _key_view(client, keys.lease)
-        cursor = await _key_view(client, keys.cursor)
+        # One slot: one read of the three, on Cluster too.
+        lease_value, cursor_value, reclaimed = await client.execute_command(
+            "MGET", keys.lease, keys.cursor, keys.reclaimed
+        )
+        lease = await _key_view(client, keys.lease, lease_value)
+        cursor = await _key_view(client, keys.cursor, cursor_value)
         reading = await read_group(client, stream, name, found.groups.get(name))
         reading = dataclasses.replace(
             reading, consumers=await _with_liveness(client, keys, reading.consumers)
@@ -209,6 +226,7 @@ async def inspect_stream(
                 dead_letters=reading.dead_letters,
                 gauges=group_gauges(found, reading),
                 entries_read=reading.entries_read,
+                reclaimed=_count(reclaimed),
             )
         )
     return StreamView(stream, found.type, found.length, groups)

@@ -55,7 +55,10 @@ format 1; existing keys keep their names, types and meaning::
           }],
           "lease": {"key": "...", "holder": "worker-1" | null, "ttl_ms": 840 | null},
           "cursor": {"key": "...", "value": "0-0" | null, "ttl_ms": 1800 | null},
-          "dead_letters": {"key": "...", "count": 0}
+          "dead_letters": {"key": "...", "count": 0},
+          "reclaimed": {"key": "...", "count": 0}  # entries the workers
+                                 # reclaimed lately (their count lapses a day
+                                 # after the last one; 0 when absent)
         }]
       }]
     }
@@ -175,6 +178,10 @@ def inspection_to_json(
                         "dead_letters": {
                             "key": group.dead_letters_key,
                             "count": group.dead_letters,
+                        },
+                        "reclaimed": {
+                            "key": StreamKeys(stream.name, group.name).reclaimed,
+                            "count": group.reclaimed,
                         },
                     }
                     for group in stream.groups

@@ -119,7 +119,8 @@ def render_inspection(inspection: Inspection) -> str:
                 )
             lines.append(
                 f"    {_lease_text(group.lease)}; {_cursor_text(group.cursor)};"
-                f" {plural(group.dead_letters, 'dead letter')}"
+                f" {plural(group.dead_letters, 'dead letter')};"
+                f" {group.reclaimed} reclaimed"
             )
             if group.consumers:
                 rows = [["consumer", "pending", "idle", "oldest pending idle"]]

@@ -323,7 +323,12 @@ async def drill_queue(
         # The soak restarts the server: pooled connections may be dead.
         await client.connection_pool.disconnect()
         await client.delete(
-            queue, drill.events.stream, keys.lease, keys.cursor, keys.dead_letters
+            queue,
+            drill.events.stream,
+            keys.lease,
+            keys.cursor,
+            keys.dead_letters,
+            keys.reclaimed,
         )
         await events_client.delete(drill.events.stream)
         await drill.kicker_broker.shutdown()

@@ -6,10 +6,12 @@ A sample holds running totals and levels read from the server itself, so
 rates come from the differences of two samples whoever kicked or ran the
 tasks: ``kicked`` (entries added: the group's entries-read plus its lag),
 ``acked`` (entries-read minus pending), the dead-letter count, the backlog
-(lag plus pending) and the oldest pending entry's idle time. Totals need
-Redis >= 7 (entries-read, lag); before, they are null and only the levels
-are drawn. Reclaims leave no count on the server: the workers' own
-``taskiq_atomic_claim_claimed`` counter has them (metrics.py).
+(lag plus pending), the oldest pending entry's idle time, and
+``reclaimed``: the workers' count of reclaims (``reclaim_count.py``), kept
+here as a running total that a reset of that count (it lapses a day after
+the last reclaim) does not lower. Kicked and acked need Redis >= 7
+(entries-read, lag); before, they are null and only the other series are
+drawn.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ from collections import deque
 from typing import Any
 
 from taskiq_atomic_claim.admin.inspection import Inspection
+from taskiq_atomic_claim.reclaim_count import increase
 
 HISTORY_S = 3600.0  # what is kept: at least the last hour
 MAX_SAMPLES = 3600
 # The dead letters the diagnosis counts as "added lately".
 DEAD_LETTER_WINDOW_MS = 300_000
-FIELDS = ("at_ms", "kicked", "acked", "dead_letters", "backlog", "oldest_ms")
+FIELDS = (
+    "at_ms",
+    "kicked",
+    "acked",
+    "dead_letters",
+    "backlog",
+    "oldest_ms",
+    "reclaimed",
+)
 
 
 class History:
@@ -36,6 +47,8 @@ class History:
         self.sample_s = sample_s
         self.size = min(MAX_SAMPLES, math.ceil(HISTORY_S / sample_s) + 1)
         self.samples: dict[tuple[str, str], deque[tuple[Any, ...]]] = {}
+        # Per (stream, group): the reclaimed count as last read.
+        self._reclaimed_read: dict[tuple[str, str], int] = {}
         self.last_at_ms = -math.inf
 
     def add(self, inspection: Inspection, at_ms: int) -> bool:
@@ -56,6 +69,13 @@ class History:
                     read = 0  # Redis 7: a group that never read has none
                 known = read is not None and lag is not None
                 ring = self.samples.setdefault(pair, deque(maxlen=self.size))
+                was = self._reclaimed_read.get(pair)
+                self._reclaimed_read[pair] = group.reclaimed
+                reclaimed = (
+                    ring[-1][6] + increase(was, group.reclaimed)
+                    if ring and was is not None
+                    else 0
+                )
                 ring.append(
                     (
                         at_ms,
@@ -64,10 +84,12 @@ class History:
                         group.dead_letters,
                         None if lag is None else lag + group.pending,
                         group.oldest_pending_idle_ms or 0,
+                        reclaimed,
                     )
                 )
         for gone in set(self.samples) - seen:
             del self.samples[gone]
+            self._reclaimed_read.pop(gone, None)
         return True
 
     def dead_letters_added(
