@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, RedisError
+from taskiq import AckableMessage
 from taskiq.api import run_receiver_task
 from taskiq.message import BrokerMessage
 from taskiq.utils import maybe_awaitable
@@ -136,7 +137,7 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             await broker.startup()
             steps.append("kick")
             await broker.kick(message("new"))
-            got = []
+            got: list[AckableMessage] = []
             # The side stream's orphan may come too, once the lease the
             # claim gave an expiry lapses.
             while not {b"new", b"orphan"} <= {m.data for m in got} and len(got) < 3:
