@@ -135,6 +135,7 @@ class AtomicParts:
             group,
             settings.idle_timeout,
             settings.claim_interval,
+            broker.block,
         )
         self.claims = ScriptClaims(
             self.scripts,

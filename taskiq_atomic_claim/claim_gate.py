@@ -4,8 +4,9 @@ where it finds them (``FleetCheck``).
 Without it every consumer looks every claim interval, so an idle fleet's
 claim work grows with its workers. One expiring key per (group, streams),
 ``SET NX PX claim_interval``, lets one consumer through per interval; the
-others try again one to two intervals later, at random, so when the one
-that got through dies another does within two intervals (a SIGKILLed
+others try again one to two intervals later (at the end of their next
+blocking read when it comes within them), so when the one that got through
+dies another does within two intervals (a SIGKILLed
 worker's task runs again within idle_timeout + 2 claim intervals). The one
 that gets through looks with ``XPENDING ... IDLE``, a plain read that
 changes no owner, and only the streams where it finds an entry idle for
@@ -36,8 +37,10 @@ class FleetCheck:
         group: str,
         idle_timeout_ms: int,
         interval_ms: int,
+        read_block_ms: int,
     ) -> None:
         self.key = key
+        self.read_block_ms = read_block_ms
         self.consumer = consumer
         self.group = group
         self.idle_timeout_ms = idle_timeout_ms
@@ -75,8 +78,13 @@ class FleetCheck:
         await client.execute_command("DEL", self.key)
 
     def retry_after_s(self) -> float:
-        """When a consumer kept out tries again: one to two intervals on."""
-        return self.interval_ms / 1000 * (1 + random.random())  # noqa: S311
+        """When a consumer kept out tries again: one to two intervals on; at
+        its next blocking read's end when that comes within them (the reads
+        of a fleet kept out then wake as often as taskiq-redis's do)."""
+        interval = self.interval_ms / 1000
+        if interval <= self.read_block_ms / 1000 <= 2 * interval:
+            return self.read_block_ms / 1000
+        return interval * (1 + random.random())  # noqa: S311
 
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
         """``streams`` with an entry pending for idle_timeout or longer, or
