@@ -58,7 +58,12 @@ class FleetCheck:
                 "SET", self.key, self.consumer, "NX", "PX", self.interval_ms
             )
         except Exception as error:
-            if classify(error) is not Fault.FORBIDDEN:
+            fault = classify(error)
+            if fault.is_outage:
+                # Look as without a gate: the claim meets the outage stream
+                # by stream (on Cluster, only the unreachable slot's).
+                return True
+            if fault is not Fault.FORBIDDEN:
                 raise
             logger.warning(
                 "Consumer %r cannot use the fleet's claim gate (%s): it looks"
@@ -89,12 +94,17 @@ class FleetCheck:
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
         """``streams`` with an entry pending for idle_timeout or longer, or
         whose check the server refused (the claim then reports why)."""
-        async with client.pipeline(transaction=False) as pipe:
-            for stream in streams:
-                pipe.xpending_range(
-                    stream, self.group, "-", "+", 1, idle=self.idle_timeout_ms
-                )
-            replies = await pipe.execute(raise_on_error=False)
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for stream in streams:
+                    pipe.xpending_range(
+                        stream, self.group, "-", "+", 1, idle=self.idle_timeout_ms
+                    )
+                replies = await pipe.execute(raise_on_error=False)
+        except Exception as error:
+            if not classify(error).is_outage:
+                raise
+            return streams  # the claim meets the outage stream by stream
         return [
             stream
             for stream, reply in zip(streams, replies, strict=True)

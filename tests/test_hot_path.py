@@ -279,9 +279,10 @@ async def test_an_entry_acked_while_a_claim_was_in_flight_is_not_yielded(
                 claim = asyncio.create_task(
                     broker.atomic.listener.claim(slow, ["taskiq"])
                 )
-                # Both its steps (the script, then the fetch of fields, each
-                # reply held 0.5 s) run by the server, the last reply held.
-                await asyncio.sleep(0.75)
+                # Its steps (the fleet's gate, its look, the script, then the
+                # fetch of fields, each reply held 0.5 s) run by the server,
+                # the last reply held.
+                await asyncio.sleep(1.75)
                 await maybe_awaitable(delivered.ack())
                 assert not claim.done()
                 claimed, kept = await asyncio.wait_for(claim, 10)

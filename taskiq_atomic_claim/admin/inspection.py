@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
+from redis.exceptions import MovedError
 
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.gauges import (
@@ -166,17 +167,37 @@ def _first_consumers(
 ALIVE_CHUNK = 1000
 
 
+async def _mget(client: ScriptClient, keys: list[str]) -> list[Any]:
+    """MGET of keys of one slot; from a client of one Cluster primary (the
+    CLI's --cluster reports), at the primary the slot is on."""
+    try:
+        found: list[Any] = await client.execute_command("MGET", *keys)
+    except MovedError as moved:
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            raise
+        there = Redis(
+            connection_pool=ConnectionPool(
+                connection_class=pool.connection_class,
+                **{**pool.connection_kwargs, "host": moved.host, "port": moved.port},
+            )
+        )
+        try:
+            found = await there.mget(keys)
+        finally:
+            await there.connection_pool.disconnect()
+    return found
+
+
 async def _with_liveness(
     client: ScriptClient, keys: StreamKeys, consumers: list[ConsumerReading]
 ) -> list[ConsumerReading]:
     """The consumers, each marked alive or not by its worker's alive key
-    (one slot: on Cluster too, one MGET per chunk)."""
+    (the group's slot: on Cluster too, one MGET per chunk)."""
     marked: list[ConsumerReading] = []
     for first in range(0, len(consumers), ALIVE_CHUNK):
         chunk = consumers[first : first + ALIVE_CHUNK]
-        found = await client.execute_command(
-            "MGET", *(keys.alive(consumer.name) for consumer in chunk)
-        )
+        found = await _mget(client, [keys.alive(consumer.name) for consumer in chunk])
         marked += [
             dataclasses.replace(consumer, alive=value is not None)
             for consumer, value in zip(chunk, found, strict=True)
