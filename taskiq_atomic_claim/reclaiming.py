@@ -225,7 +225,7 @@ class Listener:
         # (restart, half-open): else every call finds them one at a time.
         await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
-        if fault.is_outage:
+        if fault.is_outage or fault is Fault.LOGIN_REFUSED:
             self.schedule.hold_off_after_outage()
             self._recovering = True
         if fault is Fault.GROUP_MISSING:
@@ -241,15 +241,20 @@ class Listener:
                     error,
                 )
             return True
-        if fault is Fault.FORBIDDEN:
+        if fault in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED):
+            named = self.connection.named(error)
             if not self.worked:
-                # Missing from the start: the user's ACL needs fixing.
+                # Missing from the start: the user's ACL or the URL's
+                # password needs fixing.
+                if fault is Fault.LOGIN_REFUSED:
+                    raise named from None
                 raise permission_refused(
                     error, f"consumer {self.consumer_name!r}"
                 ) from error
-            # Revoked under a running worker (an operator changing the ACL):
-            # wait for it to come back, as for an outage.
-            await outage.wait(error)
+            # Revoked under a running worker (an operator changing the ACL
+            # or the password, met on reconnect): wait for it to come back
+            # (or the app redeployed), as for an outage.
+            await outage.wait(named)
             return False
         if not fault.is_outage:
             # Refused as a usage error: maybe by another server version

@@ -47,6 +47,11 @@ class PermissionRefusedError(RuntimeError):
     """The server's ACL refuses a worker a command it needs from the start."""
 
 
+class LoginRefusedError(RuntimeError):
+    """The server refused the broker's login: no password, or a wrong one.
+    One line naming where and the user, in place of redis-py's text."""
+
+
 class Fault(Enum):
     """What an error means to a loop that keeps talking to the server."""
 
@@ -70,7 +75,8 @@ class Fault(Enum):
     # (``waited_out_while_running``) rather than failing tasks or listen().
     FORBIDDEN = "permission refused by the server's ACL"
     # The server refused the login: no password where one is needed, or a
-    # wrong one. Retrying cannot help.
+    # wrong one. At startup a usage error; while running, a password changed
+    # under the worker (met when it reconnects), waited out like FORBIDDEN.
     LOGIN_REFUSED = "login refused"
     # Anything else: retrying cannot help; raise.
     USAGE = "usage error"
@@ -87,9 +93,10 @@ class Fault(Enum):
 
     @property
     def waited_out_while_running(self) -> bool:
-        """Whether a running worker waits it out: an outage, or a permission
-        revoked under it (refused at startup, see ``is_outage``)."""
-        return self.is_outage or self is Fault.FORBIDDEN
+        """Whether a running worker waits it out: an outage, a permission
+        revoked or a password changed under it (refused at startup, see
+        ``is_outage``)."""
+        return self.is_outage or self in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED)
 
 
 # Error reply codes (first word) that retrying can get past; any other
@@ -152,7 +159,7 @@ def classify(error: BaseException) -> Fault:
     """What ``error`` means: an outage, a missing group, or a usage error."""
     # asyncio.TimeoutError: a reply that never came within our own bound
     # (an OSError itself from Python 3.11 on).
-    if isinstance(error, AuthenticationError):
+    if isinstance(error, (AuthenticationError, LoginRefusedError)):
         # A ConnectionError to redis-py, but no outage: it never passes.
         return Fault.LOGIN_REFUSED
     if isinstance(error, (*UNREACHABLE, asyncio.TimeoutError)):
@@ -184,16 +191,18 @@ def waited_out_while_running(error: BaseException) -> bool:
     return classify(error).waited_out_while_running
 
 
-def login_problem(error: AuthenticationError, where: str, has_password: bool) -> str:
+def login_problem(
+    error: BaseException, where: str, has_password: bool, user: str
+) -> str:
     """One line for a refused login, not the server's text about HELLO or
     NOAUTH: ``where`` is host:port, ``has_password`` whether the client
-    sent one."""
+    sent one, ``user`` the user it logs in as."""
     if not has_password:
         return (
-            f"{where} requires a password, and the URL has none: give it as"
-            " redis://USER:PASSWORD@HOST:PORT"
+            f"{where} requires a password, and the URL has none (user"
+            f" {user!r}): give it as redis://USER:PASSWORD@HOST:PORT"
         )
-    return f"{where} refused the URL's username and password: {error}"
+    return f"{where} refused the URL's username and password (user {user!r}): {error}"
 
 
 def permission_refused(error: BaseException, who: str) -> PermissionRefusedError:
