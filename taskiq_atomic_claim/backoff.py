@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, reply_text
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -82,7 +82,7 @@ class Backoff:
                 reason,
                 self.cap,
                 f"; {self.consequence}" if self.consequence else "",
-                error,
+                reply_text(error),
             )
         elif self.fault not in _NEEDS_AN_OPERATOR:
             fault = classify(error)
@@ -91,7 +91,10 @@ class Backoff:
                 # while the connection was down): say what now keeps it out.
                 self.fault = fault
                 logger.warning(
-                    "%s: %s now, still retrying: %s", self.what, fault.value, error
+                    "%s: %s now, still retrying: %s",
+                    self.what,
+                    fault.value,
+                    reply_text(error),
                 )
         return self.next_delay()
 

@@ -73,7 +73,7 @@ from taskiq_atomic_claim.server_calls import (
     drop_idle_connections,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, describe
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.suspects import SuspectsRunAlone
 from taskiq_atomic_claim.task_calls import TaskCalls
@@ -355,7 +355,7 @@ class EntryLifecycle:
                 " max_deliveries): %s",
                 delivery.entry_id,
                 delivery.stream,
-                error if error is None else self.named(error),
+                error if error is None else describe(self.named(error)),
             )
         self._starts_lost += 1
 
@@ -691,7 +691,7 @@ async def _contained(what: str, step: Awaitable[None]) -> None:
             "Heartbeat: %s failed (tried again at the next beat; running"
             " entries are still kept from being reclaimed): %s",
             what,
-            error,
+            describe(error),
         )
 
 

@@ -43,6 +43,8 @@ from taskiq_atomic_claim.server_errors import (
     classify,
     is_outage,
     permission_refused,
+    reply_text,
+    stream_vanished,
     waited_out_while_running,
 )
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -229,17 +231,7 @@ class Listener:
             self.schedule.hold_off_after_outage()
             self._recovering = True
         if fault is Fault.GROUP_MISSING:
-            if group_gone:
-                # Recreating it did not help (say mkstream=False and no
-                # stream): no spinning, no log flood.
-                await asyncio.sleep(outage.next_delay())
-            else:
-                # Server restarted empty or the group was deleted.
-                logger.warning(
-                    "Consumer group %r is gone (%s); recreating it",
-                    self.consumer_group_name,
-                    error,
-                )
+            await self._group_missing(error, outage, group_gone)
             return True
         if fault in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED):
             named = self.connection.named(error)
@@ -277,6 +269,33 @@ class Listener:
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
         return False
+
+    async def _group_missing(
+        self, error: Exception, outage: Backoff, group_gone: bool
+    ) -> None:
+        """NOGROUP (or a read's stream gone): say so once; the caller
+        re-creates the group before the next call."""
+        if group_gone:
+            # Recreating it did not help (say mkstream=False and no
+            # stream): no spinning, no log flood.
+            await asyncio.sleep(outage.next_delay())
+        elif stream_vanished(error):
+            # A read blocked on a stream that left this node: deleted, or
+            # moved by a Cluster reshard (MIGRATE deletes it here). The
+            # group is re-created only where it is really gone.
+            logger.info(
+                "Consumer %r: a stream it read left the server (deleted, or"
+                " moved by a reshard); reading again, the group re-created if"
+                " gone",
+                self.consumer_name,
+            )
+        else:
+            # Server restarted empty or the group was deleted.
+            logger.warning(
+                "Consumer group %r is gone (%s); recreating it",
+                self.consumer_group_name,
+                reply_text(error),
+            )
 
     def _worked(self, claim_refused: bool) -> None:
         """A call of listen() worked; under OOM (claims refused, reads

@@ -166,8 +166,9 @@ def classify(error: BaseException) -> Fault:
         return Fault.UNREACHABLE
     if isinstance(error, ResponseError):
         code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
-        if code == "UNBLOCKED" and "no longer exists" in _message(error):
-            # A read blocked on a stream someone deleted, not a demotion.
+        if stream_vanished(error):
+            # A read blocked on a stream deleted (or moved away by a
+            # reshard), not a demotion.
             return Fault.GROUP_MISSING
         return _CODE_FAULTS.get(code, Fault.USAGE)
     if isinstance(error, ClusterError):
@@ -178,6 +179,35 @@ def classify(error: BaseException) -> Fault:
         and any(text in str(error) for text in _CLUSTER_IN_FLUX_TEXTS)
     )
     return Fault.REFUSING if cluster_in_flux else Fault.USAGE
+
+
+# redis-py's wording around a reply refused inside a pipeline or a
+# transaction ("Command # 1 (HINCRBY k f 1) of pipeline caused error: 137
+# 127.0.0.1:7001"): the command and its position, not what happened.
+_PIPELINE_WORDING = re.compile(
+    r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S
+)
+
+
+def reply_text(error: BaseException) -> str:
+    """``error`` as a log line shows it: the server's reply with its code
+    (redis-py strips the code of replies it has a class for: an ASK reply
+    reads "137 127.0.0.1:7001"), without redis-py's pipeline wording."""
+    text = _PIPELINE_WORDING.sub("", str(error), count=1)
+    code = None
+    if isinstance(error, ResponseError):
+        code = getattr(error, "status_code", None)
+    if code and code != "ERR" and not text.startswith(code):
+        text = f"{code} {text}"
+    return text
+
+
+def describe(error: BaseException) -> str:
+    """What happened, in our words, then the server's reply: "hash slot
+    migrating between primaries (ASK 137 127.0.0.1:7001)"."""
+    fault = classify(error)
+    what = fault.value if fault is not Fault.USAGE else type(error).__name__
+    return f"{what} ({reply_text(error)})"
 
 
 def is_outage(error: BaseException) -> bool:
@@ -258,6 +288,16 @@ def certainly_not_written(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def stream_vanished(error: BaseException) -> bool:
+    """UNBLOCKED "the stream key no longer exists": a read blocked on a
+    stream that left the server (DEL, or MIGRATE in a Cluster reshard)."""
+    return (
+        isinstance(error, ResponseError)
+        and reply_code(error) == "UNBLOCKED"
+        and "no longer exists" in _message(error)
+    )
 
 
 def group_exists(error: ResponseError) -> bool:
