@@ -108,6 +108,7 @@ class AtomicParts:
             stand_aside=self.schedule.stand_aside,
             connect=connection.connect,
             per_slot=connection.per_slot,
+            named=connection.named,
             # A read blocks this long at most (see GroupReads.read).
             longest_read_s=(
                 min(broker.block, settings.claim_interval)

@@ -15,16 +15,20 @@ import asyncio
 import logging
 import time
 
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, reply_text
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
 # The end line names what ended; an outage's is that Redis answers again.
 _ENDED: dict[Fault | None, str] = {
     Fault.FORBIDDEN: "the ACL allows it again",
+    Fault.LOGIN_REFUSED: "login accepted again",
     Fault.GROUP_MISSING: "the consumer group is back",
     Fault.USAGE: "working again",
 }
+
+# Faults only an operator ends: named when they take over an outage.
+_NEEDS_AN_OPERATOR = (Fault.FORBIDDEN, Fault.LOGIN_REFUSED)
 
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
@@ -78,8 +82,20 @@ class Backoff:
                 reason,
                 self.cap,
                 f"; {self.consequence}" if self.consequence else "",
-                error,
+                reply_text(error),
             )
+        elif self.fault not in _NEEDS_AN_OPERATOR:
+            fault = classify(error)
+            if fault in _NEEDS_AN_OPERATOR:
+                # The server is back but refuses us (a password changed
+                # while the connection was down): say what now keeps it out.
+                self.fault = fault
+                logger.warning(
+                    "%s: %s now, still retrying: %s",
+                    self.what,
+                    fault.value,
+                    reply_text(error),
+                )
         return self.next_delay()
 
     async def wait(self, error: BaseException) -> None:

@@ -158,10 +158,11 @@ class StandaloneConnection(Connection):
         # broker; its shutdown disconnects it).
         return contextlib.nullcontext(self.client)
 
-    def login(self) -> tuple[str, bool]:
+    def login(self) -> tuple[str, bool, str]:
         kwargs = self.pool.connection_kwargs
         where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
-        return str(where), kwargs.get("password") is not None
+        user = kwargs.get("username") or "default"
+        return str(where), kwargs.get("password") is not None, str(user)
 
     @contextlib.asynccontextmanager
     async def liveness_client(self) -> AsyncIterator[Redis]:

@@ -23,7 +23,7 @@ from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics, report_trimmed
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, reply_text
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -190,7 +190,7 @@ class ScriptClaims:
                         " claim interval: %s",
                         stream,
                         fault.value,
-                        error,
+                        reply_text(error),
                     )
             return [ClaimOutcome(skipped=True) for _ in streams]
         for stream in streams:

@@ -13,7 +13,7 @@ from redis.exceptions import AuthenticationError
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.finished import FinishedEntries
 from taskiq_atomic_claim.scripts import ScriptRunner
-from taskiq_atomic_claim.server_errors import login_problem
+from taskiq_atomic_claim.server_errors import LoginRefusedError, login_problem
 from taskiq_atomic_claim.server_info import ServerInfo
 
 T = TypeVar("T")
@@ -22,8 +22,7 @@ T = TypeVar("T")
 Connect = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
 
 
-class LoginRefusedError(RuntimeError):
-    """The server refused the broker's login: no password, or a wrong one."""
+__all__ = ["Connect", "Connection", "LoginRefusedError"]
 
 
 class Connection:
@@ -79,20 +78,26 @@ class Connection:
     async def before_call(self, client: Any) -> None:
         """What to check before a claim or a read (Sentinel: the master)."""
 
-    def login(self) -> tuple[str, bool]:
-        """Where the server is, for a refused login, and whether a password
-        is sent to it."""
-        return f"the server of queue {self.queue_name!r}", True
+    def login(self) -> tuple[str, bool, str]:
+        """Where the server is, for a refused login, whether a password is
+        sent to it, and the user it logs in as."""
+        return f"the server of queue {self.queue_name!r}", True, "default"
+
+    def named(self, error: BaseException) -> BaseException:
+        """``error``; a refused login (redis-py says only "HELLO must be
+        called ..." or NOAUTH) as ``LoginRefusedError``, one line naming
+        where, the user and the problem."""
+        if not isinstance(error, AuthenticationError):
+            return error
+        where, has_password, user = self.login()
+        return LoginRefusedError(login_problem(error, where, has_password, user))
 
     async def named_login_refusal(self, call: Awaitable[T]) -> T:
-        """``call``; a refused login (redis-py says only "HELLO must be
-        called ..." or NOAUTH) raised as ``LoginRefusedError``, one line
-        naming the problem."""
+        """``call``; a refused login raised as ``LoginRefusedError``."""
         try:
             return await call
         except AuthenticationError as error:
-            where, has_password = self.login()
-            raise LoginRefusedError(login_problem(error, where, has_password)) from None
+            raise self.named(error) from None
 
     async def close(self) -> None:
         """After the broker's shutdown: close what its calls reopened."""

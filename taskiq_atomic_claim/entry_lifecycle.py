@@ -73,7 +73,7 @@ from taskiq_atomic_claim.server_calls import (
     drop_idle_connections,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, describe
 from taskiq_atomic_claim.settings import ClaimSettings
 from taskiq_atomic_claim.suspects import SuspectsRunAlone
 from taskiq_atomic_claim.task_calls import TaskCalls
@@ -114,9 +114,12 @@ class EntryLifecycle:
         connect: Connect,
         per_slot: bool = False,
         longest_read_s: float = 0.0,
+        named: Callable[[BaseException], BaseException] = lambda error: error,
     ) -> None:
         self.scripts = scripts
         self.connect = connect
+        # An error as the logs name it (a refused login: where, the user).
+        self.named = named
         self.dead_lettering = DeadLettering(
             scripts, metrics, results, delete_acked=settings.delete_acked
         )
@@ -352,7 +355,7 @@ class EntryLifecycle:
                 " max_deliveries): %s",
                 delivery.entry_id,
                 delivery.stream,
-                error,
+                error if error is None else describe(self.named(error)),
             )
         self._starts_lost += 1
 
@@ -398,15 +401,16 @@ class EntryLifecycle:
                         await self._ack_once(stream, entry_id)
                     except Exception as error:
                         fault = classify(error)
-                        if fault is Fault.FORBIDDEN:
-                            # An operator took the ack's permission away:
-                            # wait for it, however long, the entry held and
-                            # heartbeated. Reclaimed, a finished task would
-                            # run again, and its start count as a crash.
+                        if fault in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED):
+                            # An operator took the ack's permission away (or
+                            # changed the password): wait for it, however
+                            # long, the entry held. Reclaimed, a finished
+                            # task would run again, its start a crash.
                             if not refused:
                                 refused = True
                                 await self._forget_start(stream, entry_id)
-                            await asyncio.sleep(self.refused_acks.failed(error))
+                            named = self.named(error)
+                            await asyncio.sleep(self.refused_acks.failed(named))
                             continue
                         if not fault.is_outage:
                             raise
@@ -687,7 +691,7 @@ async def _contained(what: str, step: Awaitable[None]) -> None:
             "Heartbeat: %s failed (tried again at the next beat; running"
             " entries are still kept from being reclaimed): %s",
             what,
-            error,
+            describe(error),
         )
 
 

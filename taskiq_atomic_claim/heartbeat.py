@@ -28,7 +28,7 @@ from taskiq_atomic_claim.server_calls import (
     raise_if_cancel_was_swallowed,
     within,
 )
-from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -98,7 +98,7 @@ class Heartbeat:
                 # A busy receiver parks the listen loop: then the heartbeat
                 # may be first to find the server gone.
                 await drop_idle_connections(self.connect, error)
-                delay = outage.failed(error)
+                delay = outage.failed(self.in_flight.named(error))
             else:
                 if len(self.in_flight):  # else the beat called nothing
                     outage.succeeded()
@@ -185,9 +185,10 @@ class Heartbeat:
                     self.in_flight.hand_back(client, deliveries, idle_ms),
                 )
         except Exception as error:
-            # Unreachable, demoted (a failover under the shutdown) or busy:
-            # the entries stay ours and are reclaimed after idle_timeout.
-            if not is_outage(error):
+            # Unreachable, demoted (a failover under the shutdown), busy or
+            # the password changed: the entries stay ours and are reclaimed
+            # after idle_timeout.
+            if not (is_outage(error) or classify(error) is Fault.LOGIN_REFUSED):
                 raise
             # One line per shutdown: its end tries again what failed first.
             logger.log(

@@ -162,7 +162,7 @@ class LivenessThread:
                     if pool is not None:
                         with contextlib.suppress(Exception):
                             await pool.disconnect(inuse_connections=False)
-                delay = outage.failed(error)
+                delay = outage.failed(self.connection.named(error))
             else:
                 outage.succeeded()
                 delay = beat
@@ -182,7 +182,9 @@ class LivenessThread:
             # Never the beat's failure: its resets went through or failed on
             # their own. Out of memory the SET is refused; an ACL from
             # before this key (re-run `acl`) refuses it too.
-            if classify(error).is_outage or self._announce_refused:
+            fault = classify(error)
+            passing = fault.is_outage or fault is Fault.LOGIN_REFUSED
+            if passing or self._announce_refused:
                 logger.debug("Alive key not renewed: %s", error)
                 return
             logger.warning(

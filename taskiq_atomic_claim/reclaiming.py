@@ -43,6 +43,8 @@ from taskiq_atomic_claim.server_errors import (
     classify,
     is_outage,
     permission_refused,
+    reply_text,
+    stream_vanished,
     waited_out_while_running,
 )
 from taskiq_atomic_claim.settings import ClaimSettings
@@ -225,31 +227,26 @@ class Listener:
         # (restart, half-open): else every call finds them one at a time.
         await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
-        if fault.is_outage:
+        if fault.is_outage or fault is Fault.LOGIN_REFUSED:
             self.schedule.hold_off_after_outage()
             self._recovering = True
         if fault is Fault.GROUP_MISSING:
-            if group_gone:
-                # Recreating it did not help (say mkstream=False and no
-                # stream): no spinning, no log flood.
-                await asyncio.sleep(outage.next_delay())
-            else:
-                # Server restarted empty or the group was deleted.
-                logger.warning(
-                    "Consumer group %r is gone (%s); recreating it",
-                    self.consumer_group_name,
-                    error,
-                )
+            await self._group_missing(error, outage, group_gone)
             return True
-        if fault is Fault.FORBIDDEN:
+        if fault in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED):
+            named = self.connection.named(error)
             if not self.worked:
-                # Missing from the start: the user's ACL needs fixing.
+                # Missing from the start: the user's ACL or the URL's
+                # password needs fixing.
+                if fault is Fault.LOGIN_REFUSED:
+                    raise named from None
                 raise permission_refused(
                     error, f"consumer {self.consumer_name!r}"
                 ) from error
-            # Revoked under a running worker (an operator changing the ACL):
-            # wait for it to come back, as for an outage.
-            await outage.wait(error)
+            # Revoked under a running worker (an operator changing the ACL
+            # or the password, met on reconnect): wait for it to come back
+            # (or the app redeployed), as for an outage.
+            await outage.wait(named)
             return False
         if not fault.is_outage:
             # Refused as a usage error: maybe by another server version
@@ -272,6 +269,33 @@ class Listener:
         # (OOM, LOADING, BUSY, ...): wait for it to pass.
         await outage.wait(error)
         return False
+
+    async def _group_missing(
+        self, error: Exception, outage: Backoff, group_gone: bool
+    ) -> None:
+        """NOGROUP (or a read's stream gone): say so once; the caller
+        re-creates the group before the next call."""
+        if group_gone:
+            # Recreating it did not help (say mkstream=False and no
+            # stream): no spinning, no log flood.
+            await asyncio.sleep(outage.next_delay())
+        elif stream_vanished(error):
+            # A read blocked on a stream that left this node: deleted, or
+            # moved by a Cluster reshard (MIGRATE deletes it here). The
+            # group is re-created only where it is really gone.
+            logger.info(
+                "Consumer %r: a stream it read left the server (deleted, or"
+                " moved by a reshard); reading again, the group re-created if"
+                " gone",
+                self.consumer_name,
+            )
+        else:
+            # Server restarted empty or the group was deleted.
+            logger.warning(
+                "Consumer group %r is gone (%s); recreating it",
+                self.consumer_group_name,
+                reply_text(error),
+            )
 
     def _worked(self, claim_refused: bool) -> None:
         """A call of listen() worked; under OOM (claims refused, reads

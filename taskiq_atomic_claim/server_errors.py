@@ -47,6 +47,11 @@ class PermissionRefusedError(RuntimeError):
     """The server's ACL refuses a worker a command it needs from the start."""
 
 
+class LoginRefusedError(RuntimeError):
+    """The server refused the broker's login: no password, or a wrong one.
+    One line naming where and the user, in place of redis-py's text."""
+
+
 class Fault(Enum):
     """What an error means to a loop that keeps talking to the server."""
 
@@ -70,7 +75,8 @@ class Fault(Enum):
     # (``waited_out_while_running``) rather than failing tasks or listen().
     FORBIDDEN = "permission refused by the server's ACL"
     # The server refused the login: no password where one is needed, or a
-    # wrong one. Retrying cannot help.
+    # wrong one. At startup a usage error; while running, a password changed
+    # under the worker (met when it reconnects), waited out like FORBIDDEN.
     LOGIN_REFUSED = "login refused"
     # Anything else: retrying cannot help; raise.
     USAGE = "usage error"
@@ -87,9 +93,10 @@ class Fault(Enum):
 
     @property
     def waited_out_while_running(self) -> bool:
-        """Whether a running worker waits it out: an outage, or a permission
-        revoked under it (refused at startup, see ``is_outage``)."""
-        return self.is_outage or self is Fault.FORBIDDEN
+        """Whether a running worker waits it out: an outage, a permission
+        revoked or a password changed under it (refused at startup, see
+        ``is_outage``)."""
+        return self.is_outage or self in (Fault.FORBIDDEN, Fault.LOGIN_REFUSED)
 
 
 # Error reply codes (first word) that retrying can get past; any other
@@ -152,15 +159,16 @@ def classify(error: BaseException) -> Fault:
     """What ``error`` means: an outage, a missing group, or a usage error."""
     # asyncio.TimeoutError: a reply that never came within our own bound
     # (an OSError itself from Python 3.11 on).
-    if isinstance(error, AuthenticationError):
+    if isinstance(error, (AuthenticationError, LoginRefusedError)):
         # A ConnectionError to redis-py, but no outage: it never passes.
         return Fault.LOGIN_REFUSED
     if isinstance(error, (*UNREACHABLE, asyncio.TimeoutError)):
         return Fault.UNREACHABLE
     if isinstance(error, ResponseError):
         code = "NOSCRIPT" if is_missing_script(error) else reply_code(error)
-        if code == "UNBLOCKED" and "no longer exists" in _message(error):
-            # A read blocked on a stream someone deleted, not a demotion.
+        if stream_vanished(error):
+            # A read blocked on a stream deleted (or moved away by a
+            # reshard), not a demotion.
             return Fault.GROUP_MISSING
         return _CODE_FAULTS.get(code, Fault.USAGE)
     if isinstance(error, ClusterError):
@@ -171,6 +179,35 @@ def classify(error: BaseException) -> Fault:
         and any(text in str(error) for text in _CLUSTER_IN_FLUX_TEXTS)
     )
     return Fault.REFUSING if cluster_in_flux else Fault.USAGE
+
+
+# redis-py's wording around a reply refused inside a pipeline or a
+# transaction ("Command # 1 (HINCRBY k f 1) of pipeline caused error: 137
+# 127.0.0.1:7001"): the command and its position, not what happened.
+_PIPELINE_WORDING = re.compile(
+    r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S
+)
+
+
+def reply_text(error: BaseException) -> str:
+    """``error`` as a log line shows it: the server's reply with its code
+    (redis-py strips the code of replies it has a class for: an ASK reply
+    reads "137 127.0.0.1:7001"), without redis-py's pipeline wording."""
+    text = _PIPELINE_WORDING.sub("", str(error), count=1)
+    code = None
+    if isinstance(error, ResponseError):
+        code = getattr(error, "status_code", None)
+    if code and code != "ERR" and not text.startswith(code):
+        text = f"{code} {text}"
+    return text
+
+
+def describe(error: BaseException) -> str:
+    """What happened, in our words, then the server's reply: "hash slot
+    migrating between primaries (ASK 137 127.0.0.1:7001)"."""
+    fault = classify(error)
+    what = fault.value if fault is not Fault.USAGE else type(error).__name__
+    return f"{what} ({reply_text(error)})"
 
 
 def is_outage(error: BaseException) -> bool:
@@ -184,16 +221,18 @@ def waited_out_while_running(error: BaseException) -> bool:
     return classify(error).waited_out_while_running
 
 
-def login_problem(error: AuthenticationError, where: str, has_password: bool) -> str:
+def login_problem(
+    error: BaseException, where: str, has_password: bool, user: str
+) -> str:
     """One line for a refused login, not the server's text about HELLO or
     NOAUTH: ``where`` is host:port, ``has_password`` whether the client
-    sent one."""
+    sent one, ``user`` the user it logs in as."""
     if not has_password:
         return (
-            f"{where} requires a password, and the URL has none: give it as"
-            " redis://USER:PASSWORD@HOST:PORT"
+            f"{where} requires a password, and the URL has none (user"
+            f" {user!r}): give it as redis://USER:PASSWORD@HOST:PORT"
         )
-    return f"{where} refused the URL's username and password: {error}"
+    return f"{where} refused the URL's username and password (user {user!r}): {error}"
 
 
 def permission_refused(error: BaseException, who: str) -> PermissionRefusedError:
@@ -249,6 +288,16 @@ def certainly_not_written(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def stream_vanished(error: BaseException) -> bool:
+    """UNBLOCKED "the stream key no longer exists": a read blocked on a
+    stream that left the server (DEL, or MIGRATE in a Cluster reshard)."""
+    return (
+        isinstance(error, ResponseError)
+        and reply_code(error) == "UNBLOCKED"
+        and "no longer exists" in _message(error)
+    )
 
 
 def group_exists(error: ResponseError) -> bool:

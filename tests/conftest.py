@@ -277,6 +277,10 @@ ONE_SERVER_MODULES: dict[str, tuple[str, ...]] = {
     # Real workers; 8.6: the native path, where a read can reclaim an entry
     # whose ack is in flight (both passed when written).
     "test_hot_path": ("redis-8.6.3", "redis-7.0.15"),
+    # Real workers at the defaults, ~75 s a server: a pause or a frozen
+    # connection meets XREADGROUP ... CLAIM on 8.6, the claim script on 7.0
+    # (both passed when written).
+    "test_seams": ("redis-8.6.3", "redis-7.0.15"),
 }
 
 

@@ -28,7 +28,7 @@ broker = AtomicRedisStreamBroker(
     idle_timeout=int(os.environ.get("TAC_TEST_IDLE_TIMEOUT", "2000")),
     claim_interval=int(os.environ.get("TAC_TEST_CLAIM_INTERVAL", "400")),
     max_deliveries=int(os.environ.get("TAC_TEST_MAX_DELIVERIES", "2")),
-    xread_block=500,
+    xread_block=int(os.environ.get("TAC_TEST_XREAD_BLOCK", "500")),
 )
 notes = Redis.from_url(NOTES_URL)
 

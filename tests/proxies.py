@@ -11,6 +11,10 @@ client connection, and its subclass decides what happens to the bytes.
   until ``restore()`` (a failover or restart as its clients see it).
 - ``ReplyDelayingProxy``: replies arrive ``delay_s`` late (the server ran a
   command before the client hears of it).
+- ``SelectiveFreezingProxy``: ``freeze(marked=...)`` holds the bytes of
+  some of a client's connections, both ways, until ``thaw()``: those that
+  sent one of some markers (a worker's liveness thread) or the others.
+  Connections opened later pass, unless ``later_too``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class LoopbackProxy:
         # Open connections: (client side, server side), and their pumps.
         self.pairs: list[Pair] = []
         self.pumps: set[asyncio.Task[None]] = set()
+        # Each pump's connection: its number in order of accepting.
+        self.connection_of: dict[asyncio.Task[None], int] = {}
+        self.accepted = 0
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self: P) -> P:
@@ -72,11 +79,14 @@ class LoopbackProxy:
             "127.0.0.1", self.upstream_port
         )
         self.pairs.append((writer, up_writer))
+        number, self.accepted = self.accepted, self.accepted + 1
         for source, sink, to_server in (
             (reader, up_writer, True),
             (up_reader, writer, False),
         ):
-            self.pumps.add(asyncio.ensure_future(self._pump(source, sink, to_server)))
+            pump = asyncio.ensure_future(self._pump(source, sink, to_server))
+            self.pumps.add(pump)
+            self.connection_of[pump] = number
 
     async def _pump(
         self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, to_server: bool
@@ -154,3 +164,40 @@ class ReplyDelayingProxy(LoopbackProxy):
     async def passing(self, data: bytes, to_server: bool) -> None:
         if not to_server:
             await asyncio.sleep(self.delay_s)
+
+
+class SelectiveFreezingProxy(LoopbackProxy):
+    def __init__(self, upstream_port: int, markers: tuple[bytes, ...]) -> None:
+        super().__init__(upstream_port)
+        self.markers = markers
+        self.marked: set[int] = set()
+        self.frozen: set[int] = set()
+        self.freezing_later: bool | None = None
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+
+    def freeze(self, marked: bool, later_too: bool = False) -> None:
+        self.frozen = {
+            number
+            for number in range(self.accepted)
+            if (number in self.marked) == marked
+        }
+        self.freezing_later = marked if later_too else None
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self.frozen, self.freezing_later = set(), None
+        self._thawed.set()
+
+    async def passing(self, data: bytes, to_server: bool) -> None:
+        task = asyncio.current_task()
+        number = self.connection_of.get(task) if task is not None else None
+        if number is None:
+            return
+        if to_server and any(marker in data for marker in self.markers):
+            self.marked.add(number)
+        later = self.freezing_later
+        if number in self.frozen or (
+            later is not None and (number in self.marked) == later
+        ):
+            await self._thawed.wait()

@@ -12,6 +12,7 @@ Nothing of that may end ``listen()``, drop an ack, or run a task twice.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter
@@ -23,15 +24,17 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 from taskiq.kicker import AsyncKicker
 
+from taskiq_atomic_claim.backoff import Backoff
 from taskiq_atomic_claim.cluster_broker import AtomicRedisStreamClusterBroker
 from taskiq_atomic_claim.cluster_client import SlotRoutedClient
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
-from taskiq_atomic_claim.server_errors import is_outage
+from taskiq_atomic_claim.server_errors import describe, is_outage
 from tests.receiver import start_as_the_receiver_does
 from tests.test_cluster import drill_env, pending
 from tests.topologies import (
@@ -223,6 +226,89 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     assert twice == []
     assert await pending(broker, stream) == 0
     assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+async def blocked_read_on(node: ClusterNode, timeout: float) -> bool:
+    """Whether an XREADGROUP blocks on ``node`` within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    with SyncRedis(host=HOST, port=node.port) as client:
+        while time.monotonic() < deadline:
+            clients = client.client_list()
+            if any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in clients):
+                return True
+            await asyncio.sleep(0.02)
+    return False
+
+
+@bounded(60)
+async def test_a_reshard_is_logged_in_our_words_once_each_way(
+    cluster: LocalCluster, brokers: StartedBrokers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The stream's slot migrates and its keys move under a listening
+    # consumer: claims are refused (one line each way), and a read blocked
+    # on the stream when MIGRATE deletes it on the source is no lost group.
+    caplog.set_level(logging.INFO, logger="taskiq.atomic_claim")
+    moving = await MovingSlot.start(cluster, brokers, "worded")
+    stream, slot, source, target, broker = moving
+    consumer = Consumer(broker, start=True, detached_acks=True)
+    assert await consumer.wait_for(await kick(broker, stream, "before", 3), 10)
+    cluster.begin_migration(slot, source, target)
+    try:
+        assert await blocked_read_on(source, 5.0)
+        await asyncio.to_thread(cluster.migrate_keys, slot, source, target)
+        asked = kick_asking(target, stream, "asked", 4)
+        assert await consumer.wait_for(asked, 5.0), sorted(asked)
+    finally:
+        cluster.finish_migration(slot, target)
+    after = await kick(broker, stream, "after", 3)
+    assert await consumer.wait_for(after, 10)
+    assert await drained(broker, stream, 10) is not None
+    await consumer.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [line for line in lines if "caused error" in line], lines
+    assert not [line for line in lines if "is gone" in line], lines
+    began = sum(f"Cannot claim on stream {stream!r}" in line for line in lines)
+    ended = sum(f"Claiming on stream {stream!r} again" in line for line in lines)
+    assert began == ended <= 1, lines
+
+
+@bounded(30)
+async def test_a_call_refused_in_a_transaction_is_named_in_our_words(
+    cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A start record is a transaction; redis-py words a refusal inside one
+    # "Command # 1 (HINCRBY ...) of pipeline caused error: 137 127.0.0.1:7001"
+    # (the ASK's code stripped). The broker's lines name the fault instead.
+    key = f"started-{uuid.uuid4().hex[:8]}"
+    slot = key_slot(key.encode())
+    source = cluster.node_for(key)
+    target = other_primary(cluster, source)
+    redis = RedisCluster.from_url(cluster.url)
+    try:
+        await redis.hset(key, "pad", "x")
+        cluster.begin_migration(slot, source, target)
+        assert cluster.migrate_keys(slot, source, target) == 1
+        with pytest.raises(ResponseError) as refused:
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.execute_command("HINCRBY", key, "1-0", 1)
+                await pipe.execute()
+    finally:
+        cluster.finish_migration(slot, target)
+        await redis.delete(key)
+        await redis.aclose()
+    error = refused.value
+    assert "of pipeline caused error" in str(error), error
+    # ASK, or MOVED once redis-py's retry went to the target unasked.
+    assert describe(error).startswith("hash slot migrating between primaries ("), (
+        describe(error)
+    )
+    assert f" {slot} {HOST}:" in describe(error), describe(error)
+    caplog.set_level(logging.WARNING, logger="taskiq.atomic_claim")
+    Backoff("acks of consumer c").failed(error)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "hash slot migrating" in line, line
+    assert f" {slot} {HOST}:" in line, line
+    assert "caused error" not in line, line
 
 
 @bounded(60)

@@ -235,3 +235,78 @@ async def test_a_destroyed_group_loses_no_task_still_in_the_stream(
     lost = sorted(set(runs) - set(noted))
     assert not lost, logs
     assert "Traceback" not in logs, logs
+
+
+ADMIN = "tac-admin"
+
+
+@pytest.mark.parametrize("change", ["acl", "requirepass"])
+async def test_a_password_changed_under_a_running_worker_is_waited_out(
+    server: Server, redis: Redis, tmp_path: Path, change: str
+) -> None:
+    """The worker's password is changed (``ACL SETUSER ... resetpass
+    >new``, or ``CONFIG SET requirepass``) and its connections cut, so every
+    reconnect's login is refused, then set back: the worker waits, one line
+    naming the refused login when it starts and one when it ends; it never
+    restarts, its running task finishes once and the queued ones run once."""
+    await server_command(redis,
+        "ACL", "SETUSER", ADMIN, "reset", "on", f">{PASSWORD}", "~*", "&*", "+@all",
+    )  # fmt: skip
+    admin_url = with_user(server.admin_url, ADMIN, PASSWORD)
+    if change == "acl":
+        await server_command(redis,
+            "ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}",
+            *suite_worker_rule(rule_version(server)),
+        )  # fmt: skip
+        user, url = USER, with_user(server.admin_url, USER, PASSWORD)
+        refuse: list[Any] = ["ACL", "SETUSER", USER, "resetpass", ">changed"]
+        allow: list[Any] = ["ACL", "SETUSER", USER, "resetpass", f">{PASSWORD}"]
+    else:
+        user, url = "default", server.admin_url
+        refuse = ["CONFIG", "SET", "requirepass", "changed"]
+        allow = ["CONFIG", "SET", "requirepass", ""]
+    await redis.xgroup_create(QUEUE, SUITE_GROUP, id="0", mkstream=True)
+    admin = Redis.from_url(admin_url)
+    log = tmp_path / "worker.log"
+    runs = {"first", "long", *(f"queued-{n}" for n in range(6))}
+    try:
+        with workers_stopped_at_exit() as workers:
+            worker = taskiq_worker(
+                "tests.edges_app:broker", log, worker_env(url, admin_url, "worker-1")
+            )
+            workers.append(worker)
+            async with kicking(admin_url) as kicker:
+                await kicker.kiq("first")
+                assert await wait_for(admin, {"first"}, 30), log.read_text()
+                await kicker.kiq("long", 5.0)
+                await asyncio.sleep(0.5)  # it runs
+                await server_command(admin, *refuse)
+                # Every connection of the worker, the liveness thread's too:
+                # each reconnect now logs in with the old password.
+                await server_command(admin, "CLIENT", "KILL", "USER", user)
+                for n in range(6):
+                    await kicker.kiq(f"queued-{n}", 0.1)
+                # Longer than idle_timeout: nothing of the worker's beats.
+                await asyncio.sleep(2 * IDLE_MS / 1000)
+                await server_command(admin, *allow)
+            noted = await wait_for(admin, runs, 30)
+            stop_gracefully(worker)
+    finally:
+        await server_command(admin, "CONFIG", "SET", "requirepass", "")
+        await server_command(admin, "ACL", "DELUSER", USER)
+        await admin.aclose()
+        await server_command(redis, "ACL", "DELUSER", ADMIN)
+    logged = log.read_text()
+    assert set(noted) == runs, logged
+    assert not [run for run, times in noted.items() if times > 1], logged
+    for sign in ("Traceback", "never retrieved", "restarted", "LoginRefusedError"):
+        assert sign not in logged, logged
+    lines = logged.splitlines()
+    where = server.admin_url.rsplit("@", 1)[-1].split("//")[-1]
+    began = [line for line in lines if "login refused" in line]
+    ended = [line for line in lines if "login accepted again" in line]
+    assert began, logged
+    assert all(f"user {user!r}" in line and where in line for line in began), logged
+    # At most one line each way per loop that met it (listen, heartbeat,
+    # liveness, acks).
+    assert len(began) == len(ended) <= 4, logged

@@ -182,8 +182,11 @@ async def connected(options: ConnectionOptions) -> AsyncIterator[Any]:
 
 def _refused_login(url: str, error: AuthenticationError) -> str:
     """One line for a refused login, not the server's text about HELLO."""
-    has_password = urlsplit(url).password is not None
-    problem = login_problem(error, _address(url), has_password)
+    parts = urlsplit(url)
+    has_password = parts.password is not None
+    problem = login_problem(
+        error, _address(url), has_password, parts.username or "default"
+    )
     if has_password:
         return problem
     return f"{problem}, in REDIS_URL to keep it off the command line"
