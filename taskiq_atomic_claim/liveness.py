@@ -48,6 +48,8 @@ logger = logging.getLogger("taskiq.atomic_claim")
 # How long stopping waits for the thread: a beat in flight is cancelled, and
 # closing its client is bounded by the same reply margin as any call.
 STOP_WAIT_S = REPLY_MARGIN_S + 1.0
+# A beat's call is never given up sooner (tiny idle_timeouts, a busy host).
+MIN_DEADLINE_S = 0.5
 
 
 class LivenessThread:
@@ -80,6 +82,14 @@ class LivenessThread:
     def interval(self) -> float:
         """Seconds: three beats fit in one idle_timeout."""
         return self.idle_timeout / 3000
+
+    @property
+    def deadline(self) -> float:
+        """Seconds a beat's call may take: one beat. A connection frozen
+        (held open, nothing answered) is then given up and the beat retried
+        on a new one before its entries turn idle; waiting the usual reply
+        margin (5 s) would let them."""
+        return min(REPLY_MARGIN_S, max(MIN_DEADLINE_S, self.interval))
 
     def start(self) -> None:
         """A listen() begins: beat from now on (one thread however many)."""
@@ -173,7 +183,7 @@ class LivenessThread:
         now_ms = str(time.time_ns() // 1_000_000)
         try:
             await within(
-                REPLY_MARGIN_S,
+                self.deadline,
                 client.execute_command(
                     "SET", self.alive_key, now_ms, "PX", self.idle_timeout
                 ),
@@ -206,7 +216,7 @@ class LivenessThread:
                 chunk = held[start : start + SCRIPT_BATCH]
                 try:
                     lost = await within(
-                        REPLY_MARGIN_S,
+                        self.deadline,
                         scripts.run(
                             client,
                             set_idle_call(
