@@ -85,6 +85,7 @@ class Mode:
     # brokers' default), each idle for fleet_idle_s; fleet_monitor_s of
     # MONITOR from the workers' start tells top-level from nested commands.
     fleet_shapes: tuple[tuple[int, int, int | None], ...] = (
+        (10, 10, None),
         (50, 10, None),
         (10, 1, 60_000),
     )
@@ -136,7 +137,7 @@ QUICK = Mode(
     drain_orphans=10_000,
     drain_reps=2,
     drain_cap_s=60.0,
-    fleet_shapes=((10, 2, None), (10, 1, 60_000)),
+    fleet_shapes=((10, 10, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
 )
