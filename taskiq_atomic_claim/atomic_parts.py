@@ -137,6 +137,7 @@ class AtomicParts:
             settings.idle_timeout,
             settings.claim_interval,
             broker.block,
+            gated=not connection.per_slot,
         )
         self.claims = ScriptClaims(
             self.scripts,

@@ -13,6 +13,11 @@ changes no owner, and only the streams where it finds an entry idle for
 idle_timeout go to the claim, which checks everything again in its own
 step. A claim that comes back full opens the gate: a backlog is drained
 by every consumer that tries next, not by one.
+
+Not on Cluster (``gated=False``: every consumer claims each interval, one
+call per slot): the gate key lives on one primary, and while that primary
+is down redis-py's cluster client retries each call to it for seconds,
+which would stall the reads of the streams on the others.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ class FleetCheck:
         idle_timeout_ms: int,
         interval_ms: int,
         read_block_ms: int,
+        *,
+        gated: bool = True,
     ) -> None:
         self.key = key
         self.read_block_ms = read_block_ms
+        self.gated = gated
         self.consumer = consumer
         self.group = group
         self.idle_timeout_ms = idle_timeout_ms
@@ -51,7 +59,7 @@ class FleetCheck:
 
     async def enter(self, client: ScriptClient) -> bool:
         """Whether this consumer looks this interval."""
-        if self._refused:
+        if self._refused or not self.gated:
             return True
         try:
             got = await client.execute_command(
@@ -80,7 +88,8 @@ class FleetCheck:
         """A claim came back full (a backlog): let the next consumer that
         tries in, so every consumer with room joins the drain within two
         intervals."""
-        await client.execute_command("DEL", self.key)
+        if self.gated:
+            await client.execute_command("DEL", self.key)
 
     def retry_after_s(self) -> float:
         """When a consumer kept out tries again: one to two intervals on; at
@@ -94,6 +103,8 @@ class FleetCheck:
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
         """``streams`` with an entry pending for idle_timeout or longer, or
         whose check the server refused (the claim then reports why)."""
+        if not self.gated:
+            return streams
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for stream in streams:

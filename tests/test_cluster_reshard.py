@@ -184,15 +184,15 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     migrating = time.monotonic()
     during = await kick(broker, stream, "during", 20)
     # Reads go on while the slot migrates, held well past the acks' patience
-    # (idle_timeout / 2). A claim would be refused (its lease and cursor
-    # keys are on neither node; test_a_reshard_is_logged_in_our_words_once_
-    # each_way meets that); nothing is idle here, so the fleet's look sends
-    # none. Acks land, as every key they touch, the stream and the started
-    # hash (which outlives its counts), is still on the source.
+    # (idle_timeout / 2). Claims are refused all along (their lease and
+    # cursor keys are on neither node); acks land, as every key they touch,
+    # the stream and the started hash (which outlives its counts), is still
+    # on the source.
     delivered = await consumer.wait_for(during, 3.0)
     assert delivered is not None, sorted(during - set(consumer.bodies))
     await asyncio.sleep(max(0.0, migrating + 3.0 - time.monotonic()))
     assert not consumer.task.done()
+    assert any("hash slot migrating" in r.getMessage() for r in caplog.records)
 
     # The keys moved, the slot not yet handed over: the source answers ASK
     # for all of them (kicks here follow it as a cluster client should).
