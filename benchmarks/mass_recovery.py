@@ -77,30 +77,32 @@ class Fleet:
     settings: dict[str, Any]
 
 
-def _atomic(**extra: Any) -> Callable[[str, str, str], AsyncBroker]:
+def _make(
+    cls: Callable[..., AsyncBroker], **extra: Any
+) -> Callable[[str, str, str], AsyncBroker]:
     def make(url: str, queue: str, consumer: str) -> AsyncBroker:
-        return AtomicRedisStreamBroker(
-            url, queue_name=queue, consumer_name=consumer, **extra
-        )
+        return cls(url, queue_name=queue, consumer_name=consumer, **extra)
 
     return make
 
 
-def _upstream(url: str, queue: str, consumer: str) -> AsyncBroker:
-    return RedisStreamBroker(url, queue_name=queue, consumer_name=consumer)
-
-
-def fleets(large_batch: int) -> tuple[Fleet, ...]:
+def fleets(large_batch: int, slots: int) -> tuple[Fleet, ...]:
     """Defaults; a batch big enough for every worker to hoard a share of the
-    backlog (``Mode.mass_large_batch``); taskiq-redis 1.2.4 at defaults."""
+    backlog (``Mode.mass_large_batch``); taskiq-redis 1.2.4 at defaults.
+    Each reads (and claims) as many as it has slots, as a default worker
+    does (``xread_count`` 100, ``--max-async-tasks`` 100): the same in a
+    full run, scaled down with the slots in a quick one."""
+    read = {"xread_count": slots}
     return (
-        Fleet("atomic", _atomic(), {"defaults": True}),
+        Fleet("atomic", _make(AtomicRedisStreamBroker, **read), {"defaults": True}),
         Fleet(
             "atomic_large_batch",
-            _atomic(unacknowledged_batch_size=large_batch),
+            _make(
+                AtomicRedisStreamBroker, unacknowledged_batch_size=large_batch, **read
+            ),
             {"unacknowledged_batch_size": large_batch},
         ),
-        Fleet("upstream_1_2_4", _upstream, {"defaults": True}),
+        Fleet("upstream_1_2_4", _make(RedisStreamBroker, **read), {"defaults": True}),
     )
 
 
@@ -291,7 +293,7 @@ async def run_fleet(url: str, fleet: Fleet, mode: Mode, log: Any) -> dict[str, A
 
 def run(url: str, mode: Mode, log: Any) -> list[dict[str, Any]]:
     rows = []
-    for fleet in fleets(mode.mass_large_batch):
+    for fleet in fleets(mode.mass_large_batch, mode.mass_slots):
         row = asyncio.run(run_fleet(url, fleet, mode, log))
         log(
             f"mass recovery: {fleet.name}: drain {row['drain_s']} s"
