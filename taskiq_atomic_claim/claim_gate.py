@@ -27,6 +27,7 @@ import random
 from typing import Any
 
 from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import Fault, classify
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -62,9 +63,13 @@ class FleetCheck:
         if self._refused or not self.gated:
             return True
         try:
-            got = await client.execute_command(
-                "SET", self.key, self.consumer, "NX", "PX", self.interval_ms
-            )
+            # The holder comes back as its key lapses, sometimes a moment
+            # before: finding itself still named, it goes on looking (else
+            # the gate would pass from worker to worker each interval).
+            async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+                pipe.set(self.key, self.consumer, nx=True, px=self.interval_ms)
+                pipe.get(self.key)
+                got, holder = await pipe.execute()
         except Exception as error:
             fault = classify(error)
             if fault.is_outage:
@@ -82,7 +87,7 @@ class FleetCheck:
             )
             self._refused = True
             return True
-        return bool(got)
+        return bool(got) or (holder is not None and text(holder) == self.consumer)
 
     async def open(self, client: ScriptClient) -> None:
         """A claim came back full (a backlog): let the next consumer that

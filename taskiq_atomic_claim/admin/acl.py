@@ -30,9 +30,13 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
         "fetch what claim took; inside set_idle, hand_back, decline, drop_trimmed",
     ),
     ("xrange", "inside claim (dead letters), dead_letter, drop_trimmed (6.2)"),
-    ("get", "inside claim: lease holder, cursor"),
-    ("set", "inside claim: lease, cursor; trim_consumed: its gate (always PX)"),
-    ("del", "inside claim: finished cursor"),
+    ("get", "inside claim: lease holder, cursor; the fleet's claim gate"),
+    (
+        "set",
+        "inside claim: lease, cursor; trim_consumed: its gate; the fleet's"
+        " claim gate; the alive key (always PX)",
+    ),
+    ("del", "inside claim: finished cursor; the claim gate opened by a backlog"),
     ("pttl", "inside claim: lease lifetime"),
     (
         "pexpire",
@@ -60,7 +64,7 @@ RESULT_BACKEND_COMMANDS = (
     ("getdel", "result backend: get_result with keep_results=False"),
 )
 # Only lua/claim.lua issues these (XAUTOCLAIM; the lease and cursor keys).
-CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "get", "del", "pttl"})
+CLAIM_ONLY_COMMANDS = frozenset({"xautoclaim", "del", "pttl"})
 # delete_acked=True: acks and dead-lettering delete with XACKDEL (Redis >= 8.2).
 DELETE_ACKED_COMMANDS = (("xackdel", "ack; inside claim, dead_letter"),)
 # Redis >= 8.6: kicks set how long the stream remembers task ids (IDMP).
@@ -106,7 +110,7 @@ Commands: -@all, then
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
     +incrby +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer
     +xinfo|consumers +multi +exec +xtrim
-  except on Redis >= 8.4, where the read reclaims: no +xautoclaim +get
+  except on Redis >= 8.4, where the read reclaims: no +xautoclaim
   +del +pttl (with additional_streams read from explicit ids the claim
   script still runs: keep the full list). delete_acked=True (Redis >= 8.2;
   acl --delete-acked) adds +xackdel; the ServerGauges middleware (acl
@@ -191,10 +195,8 @@ def worker_commands(
     calls = FUNCTION_COMMANDS if major >= 7 else SCRIPT_COMMANDS
     names = [name for name, _ in WORKER_COMMANDS] + [calls[0][0]]
     if (major, minor) >= (8, 4):
-        # The read reclaims (XREADGROUP ... CLAIM): no claim script runs;
-        # a result backend still GETs.
-        unused = CLAIM_ONLY_COMMANDS - ({"get"} if result_backend else set())
-        names = [name for name in names if name not in unused]
+        # The read reclaims (XREADGROUP ... CLAIM): no claim script runs.
+        names = [name for name in names if name not in CLAIM_ONLY_COMMANDS]
     if delete_acked:
         names += [name for name, _ in DELETE_ACKED_COMMANDS]
     if (major, minor) >= (8, 6):
