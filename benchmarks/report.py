@@ -271,17 +271,18 @@ def render(results: dict[str, Any]) -> str:
     parts = [render_run(run) for run in results["runs"]]
     across = drain_targets(results["runs"])
     if across:
-        parts.append(
-            "Targets across runs\n"
-            + table(
-                ["target", "measured", "goal", "result", "note"],
-                (
-                    [t["target"], t["measured"], t["goal"], t["result"], t["note"]]
-                    for t in across
-                ),
-            )
-        )
+        parts.append(targets_table("Targets across runs", across))
     return "\n\n\n".join(parts)
+
+
+def targets_table(title: str, found: list[Row]) -> str:
+    return f"{title}\n" + table(
+        ["target", "measured", "goal", "result", "note"],
+        (
+            [t["target"], t["measured"], t["goal"], t["result"], t["note"]]
+            for t in found
+        ),
+    )
 
 
 def _drain_rate(run: dict[str, Any]) -> float | None:
@@ -467,14 +468,5 @@ def render_run(run: dict[str, Any]) -> str:
         )
     found = targets(run)
     if found:
-        parts.append(
-            "Targets\n"
-            + table(
-                ["target", "measured", "goal", "result", "note"],
-                (
-                    [t["target"], t["measured"], t["goal"], t["result"], t["note"]]
-                    for t in found
-                ),
-            )
-        )
+        parts.append(targets_table("Targets", found))
     return "\n\n".join(parts)

@@ -28,7 +28,7 @@ from taskiq_atomic_claim.server_calls import (
     raise_if_cancel_was_swallowed,
     within,
 )
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_errors import is_passing
 from taskiq_atomic_claim.settings import ClaimSettings
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -188,7 +188,7 @@ class Heartbeat:
             # Unreachable, demoted (a failover under the shutdown), busy or
             # the password changed: the entries stay ours and are reclaimed
             # after idle_timeout.
-            if not (is_outage(error) or classify(error) is Fault.LOGIN_REFUSED):
+            if not is_passing(error):
                 raise
             # One line per shutdown: its end tries again what failed first.
             logger.log(

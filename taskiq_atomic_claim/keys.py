@@ -56,11 +56,16 @@ def _slot_tag(stream: str) -> str:
     return hashed
 
 
+def _encoded(name: str) -> str:
+    """``name`` with ``%`` and ``:`` percent-encoded: the next ``:`` in a key
+    is always a separator."""
+    return name.replace("%", "%25").replace(":", "%3A")
+
+
 def slot_anchor(stream: str) -> str:
     """The part of every key for ``stream`` that fixes its slot and names it
     unambiguously: ``{tag}:encoded-stream``."""
-    encoded = stream.replace("%", "%25").replace(":", "%3A")
-    return "{" + _slot_tag(stream) + "}:" + encoded
+    return "{" + _slot_tag(stream) + "}:" + _encoded(stream)
 
 
 def trim_gate(stream: str) -> str:
@@ -127,9 +132,8 @@ class StreamKeys:
     @property
     def claim_gate_prefix(self) -> str:
         """What the claim gate of every fleet whose first stream this is
-        starts with (the group percent-encoded, as for ``alive``)."""
-        group = self.group.replace("%", "%25").replace(":", "%3A")
-        return f"{PREFIX}:gate:{slot_anchor(self.stream)}:{group}:"
+        starts with."""
+        return f"{PREFIX}:gate:{slot_anchor(self.stream)}:{_encoded(self.group)}:"
 
     def claim_gate(self, streams: list[str]) -> str:
         """A string (coordination, always expires within a claim interval):

@@ -41,7 +41,7 @@ from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
-from taskiq_atomic_claim.server_errors import Fault, classify
+from taskiq_atomic_claim.server_errors import Fault, classify, is_passing
 
 logger = logging.getLogger("taskiq.atomic_claim")
 
@@ -192,9 +192,7 @@ class LivenessThread:
             # Never the beat's failure: its resets went through or failed on
             # their own. Out of memory the SET is refused; an ACL from
             # before this key (re-run `acl`) refuses it too.
-            fault = classify(error)
-            passing = fault.is_outage or fault is Fault.LOGIN_REFUSED
-            if passing or self._announce_refused:
+            if is_passing(error) or self._announce_refused:
                 logger.debug("Alive key not renewed: %s", error)
                 return
             logger.warning(

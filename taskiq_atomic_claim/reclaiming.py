@@ -227,7 +227,7 @@ class Listener:
         # (restart, half-open): else every call finds them one at a time.
         await drop_idle_connections(lambda: contextlib.nullcontext(client), error)
         fault = classify(error)
-        if fault.is_outage or fault is Fault.LOGIN_REFUSED:
+        if fault.passing:
             self.schedule.hold_off_after_outage()
             self._recovering = True
         if fault is Fault.GROUP_MISSING:

@@ -92,6 +92,14 @@ class Fault(Enum):
         )
 
     @property
+    def passing(self) -> bool:
+        """Whether a running worker retries it without a warning: an outage,
+        or a login refused under it (a password changed, met on a
+        reconnect). A revoked permission is waited out too, but said once
+        (``waited_out_while_running``)."""
+        return self.is_outage or self is Fault.LOGIN_REFUSED
+
+    @property
     def waited_out_while_running(self) -> bool:
         """Whether a running worker waits it out: an outage, a permission
         revoked or a password changed under it (refused at startup, see
@@ -213,6 +221,11 @@ def describe(error: BaseException) -> str:
 def is_outage(error: BaseException) -> bool:
     """Whether ``error`` is waited out and retried rather than raised."""
     return classify(error).is_outage
+
+
+def is_passing(error: BaseException) -> bool:
+    """Whether ``error`` is retried quietly while running (``Fault.passing``)."""
+    return classify(error).passing
 
 
 def waited_out_while_running(error: BaseException) -> bool:

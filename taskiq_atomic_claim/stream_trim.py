@@ -29,7 +29,7 @@ from taskiq_atomic_claim.reads import GroupReads, LuaPathReads
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_calls import REPLY_MARGIN_S, within
-from taskiq_atomic_claim.server_errors import Fault, classify, is_outage
+from taskiq_atomic_claim.server_errors import is_passing
 from taskiq_atomic_claim.server_info import ServerInfo
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -134,7 +134,7 @@ class StreamTrim:
                 trimmed, _ = await within(REPLY_MARGIN_S, self.trim(client, stream))
             except Exception as error:
                 trimmed = 0
-                if is_outage(error) or classify(error) is Fault.LOGIN_REFUSED:
+                if is_passing(error):
                     logger.debug("Trim of stream %r failed: %s", stream, error)
                 else:
                     logger.log(

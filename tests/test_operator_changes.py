@@ -39,17 +39,30 @@ USER, PASSWORD = "tac-revoked", "tac-revoked-password"
 IDLE_MS = 2000
 
 
-def worker_env(url: str, notes_url: str, name: str) -> dict[str, str]:
-    return {
+def worker_env(
+    url: str,
+    notes_url: str,
+    name: str,
+    *,
+    idle_ms: int = IDLE_MS,
+    claim_interval_ms: int = IDLE_MS // 5,
+    max_deliveries: int = 2,
+    xread_block_ms: int | None = None,
+) -> dict[str, str]:
+    """The environment edges_app's broker takes its settings from."""
+    env = {
         **os.environ,
         "TAC_TEST_URL": url,
         "TAC_TEST_NOTES_URL": notes_url,
         "TAC_TEST_QUEUE": QUEUE,
         "TAC_TEST_WORKER": name,
-        "TAC_TEST_IDLE_TIMEOUT": str(IDLE_MS),
-        "TAC_TEST_CLAIM_INTERVAL": str(IDLE_MS // 5),
-        "TAC_TEST_MAX_DELIVERIES": "2",
+        "TAC_TEST_IDLE_TIMEOUT": str(idle_ms),
+        "TAC_TEST_CLAIM_INTERVAL": str(claim_interval_ms),
+        "TAC_TEST_MAX_DELIVERIES": str(max_deliveries),
     }
+    if xread_block_ms is not None:
+        env["TAC_TEST_XREAD_BLOCK"] = str(xread_block_ms)
+    return env
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ a network that freezes one of a worker's connections but not the others.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,6 +22,7 @@ from tests.test_operator_changes import (
     QUEUE,
     kicking,
     wait_for,
+    worker_env,
     workers_stopped_at_exit,
 )
 from tests.test_started_semantics import stop_gracefully, taskiq_worker
@@ -32,17 +32,15 @@ LONG_S = 7.0  # a task running through the fault and past idle_timeout
 
 def default_env(url: str, notes_url: str, name: str) -> dict[str, str]:
     """The broker's defaults (edges_app takes them from the environment)."""
-    return {
-        **os.environ,
-        "TAC_TEST_URL": url,
-        "TAC_TEST_NOTES_URL": notes_url,
-        "TAC_TEST_QUEUE": QUEUE,
-        "TAC_TEST_WORKER": name,
-        "TAC_TEST_IDLE_TIMEOUT": str(DEFAULT_IDLE_TIMEOUT_MS),
-        "TAC_TEST_CLAIM_INTERVAL": str(DEFAULT_IDLE_TIMEOUT_MS // 4),
-        "TAC_TEST_MAX_DELIVERIES": str(DEFAULT_MAX_DELIVERIES),
-        "TAC_TEST_XREAD_BLOCK": "2000",
-    }
+    return worker_env(
+        url,
+        notes_url,
+        name,
+        idle_ms=DEFAULT_IDLE_TIMEOUT_MS,
+        claim_interval_ms=DEFAULT_IDLE_TIMEOUT_MS // 4,
+        max_deliveries=DEFAULT_MAX_DELIVERIES,
+        xread_block_ms=2000,
+    )
 
 
 async def running(redis: Redis, count: int, seconds: float) -> bool:
