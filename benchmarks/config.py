@@ -94,6 +94,9 @@ class Mode:
     # lands the same whole number of reads in the window.
     fleet_idle_s: float = 30.0
     fleet_monitor_s: float = 5.0
+    # Interleaved rounds of each shape (atomic, upstream, atomic, ...): the
+    # report takes medians, and upstream's own spread is the A/A noise.
+    fleet_rounds: int = 3
     # The longest a run may go without a progress line before the watchdog
     # prints its stacks and stops it: above the longest silent step (a mass
     # recovery capped at mass_cap_s).
@@ -140,6 +143,7 @@ QUICK = Mode(
     fleet_shapes=((10, 10, None), (10, 1, 60_000)),
     fleet_idle_s=6.0,
     fleet_monitor_s=2.5,
+    fleet_rounds=1,
 )
 # For the test suite: every part, briefly; figures are not meaningful.
 SMOKE = Mode(
@@ -170,5 +174,6 @@ SMOKE = Mode(
     fleet_shapes=((3, 2, None),),
     fleet_idle_s=1.0,
     fleet_monitor_s=0.6,
+    fleet_rounds=1,
 )
 MODES = {mode.name: mode for mode in (FULL, QUICK, SMOKE)}

@@ -18,7 +18,11 @@ per second:
 - ``with_nested_per_s``: plus the commands scripts and MULTI ran (every call
   commandstats saw);
 - ``server_usec_per_s``: server time of the top-level commands (a script's
-  own time includes its nested commands').
+  own time includes its nested commands');
+- ``server_cpu_usec_per_s``: the server process's CPU (``INFO cpu``, user +
+  system): issue 40's measure. Beside the commands it counts what each
+  round trip costs an idle server (waking, reading, writing) and the
+  server's own timers, which both brokers pay.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def _broker(
     )
 
 
+def _cpu_s(info: dict[str, Any]) -> float:
+    """The server process's CPU seconds (user + system) so far."""
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 async def _drain(messages: AsyncGenerator[Any, None]) -> None:
     async for _ in messages:
         pass  # nothing is ever sent
@@ -91,9 +100,11 @@ async def run_shape(
             seen = monitor.stop()
         await asyncio.sleep(_SETTLE_S)
         before = stat_bases(await admin.info("commandstats"))
+        cpu_before = _cpu_s(await admin.info("cpu"))
         started = time.monotonic()
         await asyncio.sleep(idle_s)
         after = stat_bases(await admin.info("commandstats"))
+        cpu_after = _cpu_s(await admin.info("cpu"))
         elapsed = time.monotonic() - started
         failed = [t for t in listeners if t.done()]
         if failed:
@@ -138,6 +149,7 @@ async def run_shape(
         "commands_per_s": round(top_calls / elapsed, 2),
         "with_nested_per_s": round(all_calls / elapsed, 2),
         "server_usec_per_s": round(top_usec / elapsed, 1),
+        "server_cpu_usec_per_s": round((cpu_after - cpu_before) * 1e6 / elapsed, 1),
         "calls_per_s": dict(sorted(commands.items())),
         "monitor_outer": dict(sorted(counts.outer.items())),
         "monitor_nested": dict(sorted(counts.nested.items())),
@@ -148,13 +160,14 @@ async def run_shape(
 def run(url: str, port: int, mode: Mode, log: Any) -> list[dict[str, Any]]:
     rows = []
     for workers, streams, idle_timeout in mode.fleet_shapes:
-        for kind in BROKERS:
-            log(
-                f"fleet idle: {kind}, {workers} workers x {streams} streams,"
-                f" idle_timeout {idle_timeout or 'default'}, {mode.fleet_idle_s} s"
-            )
-            rows.append(
-                asyncio.run(
+        for round_ in range(mode.fleet_rounds):
+            for kind in BROKERS:
+                log(
+                    f"fleet idle: {kind}, {workers} workers x {streams} streams,"
+                    f" idle_timeout {idle_timeout or 'default'},"
+                    f" {mode.fleet_idle_s} s, round {round_ + 1}"
+                )
+                row = asyncio.run(
                     run_shape(
                         url,
                         port,
@@ -166,5 +179,5 @@ def run(url: str, port: int, mode: Mode, log: Any) -> list[dict[str, Any]]:
                         mode.fleet_monitor_s,
                     )
                 )
-            )
+                rows.append({**row, "round": round_ + 1})
     return rows

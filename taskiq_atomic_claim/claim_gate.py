@@ -11,8 +11,10 @@ worker's task runs again within idle_timeout + 2 claim intervals). The one
 that gets through looks with ``XPENDING ... IDLE``, a plain read that
 changes no owner, and only the streams where it finds an entry idle for
 idle_timeout go to the claim, which checks everything again in its own
-step. A claim that comes back full opens the gate: a backlog is drained
-by every consumer that tries next, not by one.
+step. Where reads reclaim (Redis >= 8.4) the one that gets through reads
+with ``CLAIM`` and the others read new entries only. A claim that comes
+back full opens the gate: a backlog is drained by every consumer that tries
+next, not by one.
 
 Not on Cluster (``gated=False``: every consumer claims each interval, one
 call per slot): the gate key lives on one primary, and while that primary

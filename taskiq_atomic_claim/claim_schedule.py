@@ -111,6 +111,15 @@ class ClaimSchedule:
         """The gate let another consumer look: due again ``wait_s`` on."""
         self._claim_due.update(dict.fromkeys(streams, started + wait_s))
 
+    def read_claimed(self, stream: str, *, full: bool, started: float) -> None:
+        """Where reads reclaim: a read that came back full of reclaimed
+        entries makes ``stream`` due again at once, past the gate."""
+        if full:
+            self._draining.add(stream)
+            self._claim_due[stream] = started
+        else:
+            self._draining.discard(stream)
+
     def claimed(self, stream: str, outcome: ClaimOutcome, started: float) -> None:
         """Due again at once after a backlog, or past another's lease."""
         self._draining.discard(stream)

@@ -64,9 +64,10 @@ class LivenessThread:
         self.in_flight = in_flight
         self.connection = connection
         self.idle_timeout = idle_timeout
-        # This consumer's alive key: renewed every beat, it expires
+        # This consumer's alive key: renewed every other beat, it expires
         # idle_timeout after the process stops beating.
         self._announce_refused = False
+        self._announced_at = -float("inf")
         self.alive_key = alive_prefix(in_flight.group) + in_flight.consumer
         self._thread: threading.Thread | None = None
         # The worker's loop, where results are handed back.
@@ -164,7 +165,10 @@ class LivenessThread:
             await asyncio.sleep(delay)
             try:
                 await self._beat(scripts, client)
-                await self._announce(client)
+                # Every other beat: the key still has a third of
+                # idle_timeout to run, and an idle server is woken less.
+                if time.monotonic() - self._announced_at >= 1.5 * beat:
+                    await self._announce(client)
             except Exception as error:
                 if classify(error) is Fault.UNREACHABLE:
                     # Its connections went with the server: reconnect.
@@ -188,6 +192,7 @@ class LivenessThread:
                     "SET", self.alive_key, now_ms, "PX", self.idle_timeout
                 ),
             )
+            self._announced_at = time.monotonic()
         except Exception as error:
             # Never the beat's failure: its resets went through or failed on
             # their own. Out of memory the SET is refused; an ACL from

@@ -10,6 +10,7 @@ rare sweep drops pending entries whose data was deleted (CLAIM skips them).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -63,28 +64,32 @@ class NativePathReads:
     async def step(
         self, client: Any, read_from: dict[str, Any]
     ) -> list[tuple[str, str, dict[Any, Any]]]:
-        """One bounded read, after the rare upkeep. Every read reclaims; the
-        consumer the fleet's gate lets through this claim interval reads
-        again within it, the others within their next try of the gate (one
-        to two intervals) or ``xread_block``, whichever comes first."""
+        """One bounded read, after the rare upkeep. Only the consumer the
+        fleet's gate lets through this claim interval (or one draining a
+        backlog) reads with CLAIM; the others read new entries only, until
+        their next try of the gate (one to two intervals, or
+        ``xread_block``, whichever comes first)."""
         now = time.monotonic()
-        if self.schedule.due_streams():
-            if await self.fleet.enter(client):
+        claiming = False
+        due = self.schedule.due_streams()
+        if due:
+            draining = len(self.schedule.gated(due)) < len(due)
+            if draining or await self.fleet.enter(client):
                 self.schedule.claiming(self.streams, now)
                 await self.sweep_if_due(client)
+                claiming = True
             else:
                 self.schedule.kept_out(self.streams, now, self.fleet.retry_after_s())
         until = self.schedule.next_claim
-        aside = self.schedule.standing_aside(now)
+        aside = self.schedule.standing_aside(now) if claiming else set(self.streams)
         if aside:
             # Streams standing aside are read without CLAIM; the others
-            # claim first, without blocking, then everything is read new:
-            # they still reclaim once per claim interval at least.
-            claiming = {s: v for s, v in read_from.items() if s not in aside}
-            if claiming:
+            # claim first, without blocking, then everything is read new.
+            claims = {s: v for s, v in read_from.items() if s not in aside}
+            if claims:
                 claimed = await within(
                     REPLY_MARGIN_S,
-                    self._read(client, claiming, now, claim=True, block=False),
+                    self._read(client, claims, now, claim=True, block=False),
                 )
                 if claimed:
                     return claimed
@@ -102,19 +107,48 @@ class NativePathReads:
         claim: bool,
         block: bool = True,
     ) -> list[tuple[str, str, dict[Any, Any]]]:
+        started = time.monotonic()
         read = await self.reads.read(
             client, read_from, next_claim, claim=claim, block=block
         )
-        if claim and any(maybe_reclaimed for _, _, _, maybe_reclaimed in read):
+        if not claim:
+            return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
+        await self._note_backlog(client, list(read_from), read, started)
+        if any(maybe_reclaimed for _, _, _, maybe_reclaimed in read):
             return await self._screen_reclaimed(client, read)
         return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
+
+    async def _note_backlog(
+        self,
+        client: Any,
+        streams: list[str],
+        read: list[tuple[str, str, dict[Any, Any], bool]],
+        started: float,
+    ) -> None:
+        """A stream whose claiming read was all reclaimed entries (COUNT is
+        per stream) may have more idle: claim it again at once, and open
+        the fleet's gate so every consumer with room joins the drain."""
+        count = self.reads.count
+        reclaimed = dict.fromkeys(streams, 0)
+        for stream, _, _, maybe_reclaimed in read:
+            reclaimed[stream] += maybe_reclaimed
+        backlog = False
+        for stream, taken in reclaimed.items():
+            full = count is not None and taken >= count
+            self.schedule.read_claimed(stream, full=full, started=started)
+            backlog = backlog or full
+        if backlog:
+            with contextlib.suppress(Exception):  # the gate then lapses itself
+                await self.fleet.open(client)
 
     async def drop_trimmed(self, client: ScriptClient) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the
         stream while pending (CLAIM skips them, so nothing else would), and
         report them as the claim does. Each stream's PEL is walked a batch per
-        call, from where the last call stopped (kept here, not in a key)."""
-        for stream in self.streams:
+        call, from where the last call stopped (kept here, not in a key).
+        Only streams where a plain look finds an entry idle that long are
+        swept (after a claiming read, those are the deleted ones)."""
+        for stream in await self.fleet.idle_streams(client, self.streams):
             keys = StreamKeys(stream, self.group)
             next_start, trimmed = await self.scripts.run(
                 client,

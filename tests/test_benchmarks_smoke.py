@@ -79,6 +79,7 @@ def test_benchmark_smoke_run_writes_every_part(tmp_path: Path) -> None:
         assert row["workers"] >= 1 and row["streams"] >= 1
         assert row["with_nested_per_s"] >= row["commands_per_s"] >= 0
         assert row["server_usec_per_s"] >= 0
+        assert row["server_cpu_usec_per_s"] > 0
     # The atomic broker looks for idle entries on its own schedule, so even
     # idle it sends the fleet's gate and look (top-level, no script while
     # nothing is idle): MONITOR saw them.
@@ -150,6 +151,7 @@ def _fleet_rows(idle_timeout: int) -> list[dict[str, Any]]:
             "commands_per_s": 5.0,
             "with_nested_per_s": 5.0,
             "server_usec_per_s": 10.0,
+            "server_cpu_usec_per_s": 1000.0,
         }
         for broker in ("atomic", "upstream_1_2_4")
     ]

@@ -5,6 +5,7 @@ server: where the server lacks the command it asserts the fallback instead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -377,3 +378,52 @@ async def test_a_started_count_never_written_on_the_native_path(
         assert await command_calls(redis, "xreadgroup") >= 1
     finally:
         await broker.shutdown()
+
+
+async def commands_seen(redis: Redis, seconds: float) -> list[list[str]]:
+    """Every command the server runs for ``seconds`` (MONITOR), as tokens."""
+    seen: list[list[str]] = []
+    async with redis.monitor() as monitor:
+
+        async def collect() -> None:
+            while True:
+                command = await monitor.next_command()
+                seen.append(str(command["command"]).split())
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(collect(), seconds)
+    return seen
+
+
+async def test_an_idle_fleet_reclaims_through_one_read_per_interval(
+    server: Server, redis: Redis
+) -> None:
+    """Where reads reclaim, only the consumer the fleet's gate lets through
+    reads with CLAIM (once per claim interval); the others' reads are plain,
+    as taskiq-redis's are. Nothing idle: the sweep for deleted entries only
+    looks (XPENDING), it calls no script."""
+    if not server.info.native_claim:
+        pytest.skip(f"{server.info.name}: no XREADGROUP ... CLAIM")
+    await redis.xgroup_create("taskiq", "taskiq", id="0", mkstream=True)
+    brokers = [
+        await started(
+            server, idle_timeout=1000, claim_interval=250, consumer_name=f"w{n}"
+        )
+        for n in range(4)
+    ]
+    listeners = [asyncio.ensure_future(b.listen().__anext__()) for b in brokers]
+    try:
+        seen = await commands_seen(redis, 3.0)
+    finally:
+        for listener in listeners:
+            listener.cancel()
+        for broker in brokers:
+            await broker.shutdown()
+    reads = [c for c in seen if c[0].upper() == "XREADGROUP"]
+    claiming = [c for c in reads if "CLAIM" in (t.upper() for t in c)]
+    # 4 consumers reading every 200 ms (xread_block) for 3 s: ~60 reads.
+    # One claiming read per 250 ms interval, fleet-wide: ~12.
+    assert len(reads) >= 30, reads
+    assert len(claiming) <= 18, f"{len(claiming)} of {len(reads)} reads claim"
+    sweeps = [c for c in seen if c[0].upper() == "FCALL" and "drop_trimmed" in c[1]]
+    assert sweeps == [], "nothing idle: the sweep only looks"
