@@ -4,11 +4,11 @@ where it finds them (``FleetCheck``).
 Without it every consumer looks every claim interval, so an idle fleet's
 claim work grows with its workers. One expiring key per (group, streams),
 ``SET NX PX claim_interval``, lets one consumer through per interval; the
-others try again one to two intervals later (at the end of their next
-blocking read when it comes within them), so when the one that got through
-dies another does within two intervals (a SIGKILLed
-worker's task runs again within idle_timeout + 2 claim intervals). The one
-that gets through looks with ``XPENDING ... IDLE``, a plain read that
+others try again later (``retry_after_s``), soon enough that when the one
+that got through dies another does before its entries turn idle (a
+SIGKILLed worker's task runs again within idle_timeout + 2 claim intervals
+on the Lua path, about idle_timeout where reads reclaim). The one that
+gets through looks with ``XPENDING ... IDLE``, a plain read that
 changes no owner, and only the streams where it finds an entry idle for
 idle_timeout go to the claim, which checks everything again in its own
 step. Where reads reclaim (Redis >= 8.4) the one that gets through reads
@@ -98,13 +98,17 @@ class FleetCheck:
         if self.gated:
             await client.execute_command("DEL", self.key)
 
-    def retry_after_s(self) -> float:
-        """When a consumer kept out tries again: one to two intervals on; at
-        its next blocking read's end when that comes within them (the reads
-        of a fleet kept out then wake as often as taskiq-redis's do)."""
+    def retry_after_s(self, within_ms: int) -> float:
+        """When a consumer kept out tries again: one to two intervals on; or,
+        when a blocking read ends within them, at the end of every k-th read,
+        the most that keep the next try within ``within_ms`` (how long a
+        dead looker's successor may take without delaying its entries'
+        rerun). An idle fleet's reads then wake no more often than
+        taskiq-redis's, and its tries less often."""
         interval = self.interval_ms / 1000
-        if interval <= self.read_block_ms / 1000 <= 2 * interval:
-            return self.read_block_ms / 1000
+        block = self.read_block_ms / 1000
+        if interval <= block <= 2 * interval:
+            return block * max(1, int(within_ms / 1000 // block))
         return interval * (1 + random.random())  # noqa: S311
 
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:

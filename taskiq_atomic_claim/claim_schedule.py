@@ -276,7 +276,10 @@ class ScriptClaims:
                 idle = set(await self.fleet.idle_streams(client, gated))
             else:
                 idle = set()
-                self.schedule.kept_out(gated, started, self.fleet.retry_after_s())
+                # A successor may enter up to idle_timeout after a dead
+                # looker: its entries are not idle before.
+                wait = self.fleet.retry_after_s(self.settings.idle_timeout)
+                self.schedule.kept_out(gated, started, wait)
             streams = [s for s in streams if s not in gated or s in idle]
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         if not streams:

@@ -79,7 +79,13 @@ class NativePathReads:
                 await self.sweep_if_due(client)
                 claiming = True
             else:
-                self.schedule.kept_out(self.streams, now, self.fleet.retry_after_s())
+                # A successor must be reading with CLAIM before a dead
+                # looker's entries turn idle.
+                settings = self.settings
+                wait = self.fleet.retry_after_s(
+                    settings.idle_timeout - settings.claim_interval
+                )
+                self.schedule.kept_out(self.streams, now, wait)
         until = self.schedule.next_claim
         aside = self.schedule.standing_aside(now) if claiming else set(self.streams)
         if aside:

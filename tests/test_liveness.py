@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
 from redis.asyncio import Redis
 from taskiq.kicker import AsyncKicker
 
@@ -26,6 +27,7 @@ from taskiq_atomic_claim.admin.doctor import Liveness, consumer_liveness
 from taskiq_atomic_claim.admin.inspection import inspect_stream
 from taskiq_atomic_claim.harness.drill import Events
 from taskiq_atomic_claim.harness.drill_app import TASK_NAME, events_stream
+from taskiq_atomic_claim.keys import PREFIX
 from taskiq_atomic_claim.settings import DEFAULT_IDLE_TIMEOUT_MS
 from tests.conftest import Server, server_command, with_user
 from tests.liveness_app import BLOCKING_TASK
@@ -114,8 +116,9 @@ async def test_a_task_blocking_its_loop_past_idle_timeout_runs_once(
         assert (await redis.xpending(queue.name, "taskiq"))["pending"] == 0
 
 
+@pytest.mark.parametrize("looking", [False, True], ids=["any", "the fleet's looker"])
 async def test_a_killed_workers_task_runs_again_within_seconds_at_defaults(
-    server: Server, redis: Redis, tmp_path: Path
+    server: Server, redis: Redis, tmp_path: Path, looking: bool
 ) -> None:
     # No reclaim setting in the app: what a user who only swapped the class
     # gets. The survivor is idle when its peer dies.
@@ -128,6 +131,15 @@ async def test_a_killed_workers_task_runs_again_within_seconds_at_defaults(
             assert await queue.events.wait_for("started", deadline, "victim")
             [doomed] = queue.starts("victim")
             process = workers[["one", "two"].index(doomed)]
+            if looking:
+                # The doomed worker is the one its fleet's gate lets look (or
+                # claim through its reads), as if it had got there first, for
+                # the rest of one claim interval: the survivor must take over.
+                [gate] = [key async for key in redis.scan_iter(f"{PREFIX}:gate:*")]
+                [entry] = await redis.xpending_range(queue.name, "taskiq", "-", "+", 1)
+                await redis.set(
+                    gate, entry["consumer"], px=DEFAULT_IDLE_TIMEOUT_MS // 4
+                )
             os.killpg(process.pid, signal.SIGKILL)
             killed = time.monotonic()
             survivor = "two" if doomed == "one" else "one"

@@ -145,9 +145,10 @@ def test_an_innocent_task_dead_lettered_beside_the_poison_is_lost_by_us() -> Non
     assert not report.ok
 
 
-# One server per reclaim path (cached scripts, native CLAIM, a function
-# library), to keep .ci/run within its budget; --all-servers runs every one.
-SOAK_SERVERS = ("redis-6.2.14", "redis-8.6.3", "valkey-9.1.2")
+# Scripts loaded with EVALSHA (6.2) and the native CLAIM path (8.6), to keep
+# .ci/run within its budget: the function library's path (7.0+, Valkey) is
+# what most real-worker tests run on. --all-servers soaks every server.
+SOAK_SERVERS = ("redis-6.2.14", "redis-8.6.3")
 
 
 @pytest.mark.parametrize("label", list(_BINARIES))
