@@ -5,16 +5,15 @@ Without it every consumer looks every claim interval, so an idle fleet's
 claim work grows with its workers. One expiring key per (group, streams),
 ``SET NX PX claim_interval``, lets one consumer through per interval; the
 others try again later (``retry_after_s``), soon enough that when the one
-that got through dies another does before its entries turn idle (a
-SIGKILLed worker's task runs again within idle_timeout + 2 claim intervals
-on the Lua path, about idle_timeout where reads reclaim). The one that
-gets through looks with ``XPENDING ... IDLE``, a plain read that
-changes no owner, and only the streams where it finds an entry idle for
-idle_timeout go to the claim, which checks everything again in its own
-step. Where reads reclaim (Redis >= 8.4) the one that gets through reads
-with ``CLAIM`` and the others read new entries only. A claim that comes
-back full opens the gate: a backlog is drained by every consumer that tries
-next, not by one.
+that got through dies another does within an interval of its entries
+turning idle (a SIGKILLed worker's task runs again within idle_timeout + 2
+claim intervals). The one that gets through looks with ``XPENDING ...
+IDLE``, a plain read that changes no owner, and only the streams where it
+finds an entry idle for idle_timeout go to the claim, which checks
+everything again in its own step. Where reads reclaim (Redis >= 8.4) the
+one that gets through reads with ``CLAIM`` and the others read new entries
+only. A claim that comes back full opens the gate: a backlog is drained by
+every consumer that tries next, not by one.
 
 Not on Cluster (``gated=False``: every consumer claims each interval, one
 call per slot): the gate key lives on one primary, and while that primary
@@ -98,17 +97,18 @@ class FleetCheck:
         if self.gated:
             await client.execute_command("DEL", self.key)
 
-    def retry_after_s(self, within_ms: int) -> float:
+    def retry_after_s(self) -> float:
         """When a consumer kept out tries again: one to two intervals on; or,
         when a blocking read ends within them, at the end of every k-th read,
-        the most that keep the next try within ``within_ms`` (how long a
-        dead looker's successor may take without delaying its entries'
-        rerun). An idle fleet's reads then wake no more often than
-        taskiq-redis's, and its tries less often."""
+        the most that keep a try within idle_timeout of the last (a dead
+        looker's entries are not idle before, so its successor is in within
+        an interval of that). An idle fleet's reads then wake no more often
+        than taskiq-redis's, and its tries less often (every other read at
+        the defaults)."""
         interval = self.interval_ms / 1000
         block = self.read_block_ms / 1000
         if interval <= block <= 2 * interval:
-            return block * max(1, int(within_ms / 1000 // block))
+            return block * max(1, int(self.idle_timeout_ms / 1000 // block))
         return interval * (1 + random.random())  # noqa: S311
 
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:

@@ -276,9 +276,7 @@ class ScriptClaims:
                 idle = set(await self.fleet.idle_streams(client, gated))
             else:
                 idle = set()
-                # A successor may enter up to idle_timeout after a dead
-                # looker: its entries are not idle before.
-                wait = self.fleet.retry_after_s(self.settings.idle_timeout)
+                wait = self.fleet.retry_after_s()
                 self.schedule.kept_out(gated, started, wait)
             streams = [s for s in streams if s not in gated or s in idle]
         batch: list[tuple[str, str, dict[Any, Any]]] = []

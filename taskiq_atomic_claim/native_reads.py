@@ -79,12 +79,7 @@ class NativePathReads:
                 await self.sweep_if_due(client)
                 claiming = True
             else:
-                # A successor must be reading with CLAIM before a dead
-                # looker's entries turn idle.
-                settings = self.settings
-                wait = self.fleet.retry_after_s(
-                    settings.idle_timeout - settings.claim_interval
-                )
+                wait = self.fleet.retry_after_s()
                 self.schedule.kept_out(self.streams, now, wait)
         until = self.schedule.next_claim
         aside = self.schedule.standing_aside(now) if claiming else set(self.streams)
