@@ -16,9 +16,10 @@ only. A claim that comes back full opens the gate: a backlog is drained by
 every consumer that tries next, not by one.
 
 Not on Cluster (``gated=False``: every consumer claims each interval, one
-call per slot): the gate key lives on one primary, and while that primary
-is down redis-py's cluster client retries each call to it for seconds,
-which would stall the reads of the streams on the others.
+call per slot, or with every read where reads reclaim): the gate key lives
+on one primary, and while that primary is down redis-py's cluster client
+retries each call to it for seconds, which would stall the reads of the
+streams on the others.
 """
 
 from __future__ import annotations

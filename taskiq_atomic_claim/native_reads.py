@@ -81,6 +81,10 @@ class NativePathReads:
             else:
                 wait = self.fleet.retry_after_s()
                 self.schedule.kept_out(self.streams, now, wait)
+        if not self.fleet.gated:
+            # Cluster, no gate: a slot's read outlives one step (it goes on
+            # in cluster_client), so every read claims.
+            claiming = True
         until = self.schedule.next_claim
         aside = self.schedule.standing_aside(now) if claiming else set(self.streams)
         if aside:
