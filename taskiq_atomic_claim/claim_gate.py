@@ -4,10 +4,10 @@ where it finds them (``FleetCheck``).
 Without it every consumer looks every claim interval, so an idle fleet's
 claim work grows with its workers. One expiring key per (group, streams),
 ``SET NX PX claim_interval``, lets one consumer through per interval; the
-others try again later (``retry_after_s``), soon enough that when the one
-that got through dies another does within an interval of its entries
-turning idle (a SIGKILLed worker's task runs again within idle_timeout + 2
-claim intervals). The one that gets through looks with ``XPENDING ...
+others try again one to two intervals later (``retry_after_s``), so
+when the one that got through dies another does within two intervals (a
+SIGKILLed worker's task runs again within idle_timeout + 2 claim
+intervals). The one that gets through looks with ``XPENDING ...
 IDLE``, a plain read that changes no owner, and only the streams where it
 finds an entry idle for idle_timeout go to the claim, which checks
 everything again in its own step. Where reads reclaim (Redis >= 8.4) the
@@ -99,17 +99,15 @@ class FleetCheck:
             await client.execute_command("DEL", self.key)
 
     def retry_after_s(self) -> float:
-        """When a consumer kept out tries again: one to two intervals on; or,
-        when a blocking read ends within them, at the end of every k-th read,
-        the most that keep a try within idle_timeout of the last (a dead
-        looker's entries are not idle before, so its successor is in within
-        an interval of that). An idle fleet's reads then wake no more often
-        than taskiq-redis's, and its tries less often (every other read at
-        the defaults)."""
+        """When a consumer kept out tries again: one to two intervals on; at
+        its next blocking read's end when that comes within them (the reads
+        of a fleet kept out then wake as often as taskiq-redis's do). Never
+        later: a looker that stops looking while alive (a graceful stop
+        that handed its entries back, a worker with no room) is replaced
+        within two intervals."""
         interval = self.interval_ms / 1000
-        block = self.read_block_ms / 1000
-        if interval <= block <= 2 * interval:
-            return block * max(1, int(self.idle_timeout_ms / 1000 // block))
+        if interval <= self.read_block_ms / 1000 <= 2 * interval:
+            return self.read_block_ms / 1000
         return interval * (1 + random.random())  # noqa: S311
 
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
