@@ -209,23 +209,23 @@ def native_claim(results: dict[str, Any]) -> bool:
     return (major, minor) >= (8, 4)
 
 
-def _idle_median(rows: list[Row], key: str, **match: Any) -> float:
-    """The median of ``key`` over the interleaved rounds of one shape."""
-    values = [
+def _idle_values(rows: list[Row], key: str, **match: Any) -> list[float]:
+    """``key`` over the interleaved rounds of one shape and broker."""
+    return [
         float(r[key])
         for r in rows
         if key in r and all(r.get(k) == v for k, v in match.items())
     ]
+
+
+def _idle_median(rows: list[Row], key: str, **match: Any) -> float:
+    values = _idle_values(rows, key, **match)
     return float(statistics.median(values)) if values else math.nan
 
 
 def _idle_spread(rows: list[Row], key: str, **match: Any) -> str:
     """Upstream's own rounds, highest / lowest: the A/A noise of ``key``."""
-    values = [
-        float(r[key])
-        for r in rows
-        if key in r and all(r.get(k) == v for k, v in match.items())
-    ]
+    values = _idle_values(rows, key, **match)
     if len(values) < 2 or min(values) <= 0:
         return ""
     return f"; upstream's rounds spread {max(values) / min(values):.2f}x"

@@ -24,6 +24,7 @@ streams on the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from typing import Any
@@ -94,9 +95,11 @@ class FleetCheck:
     async def open(self, client: ScriptClient) -> None:
         """A claim came back full (a backlog): let the next consumer that
         tries in, so every consumer with room joins the drain within two
-        intervals."""
+        intervals. Best effort: if the DEL fails, the gate lapses by itself
+        within an interval."""
         if self.gated:
-            await client.execute_command("DEL", self.key)
+            with contextlib.suppress(Exception):
+                await client.execute_command("DEL", self.key)
 
     def retry_after_s(self) -> float:
         """When a consumer kept out tries again: one to two intervals on; at

@@ -9,7 +9,6 @@ one script call where the topology allows (one per hash slot on Cluster).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -276,8 +275,7 @@ class ScriptClaims:
                 idle = set(await self.fleet.idle_streams(client, gated))
             else:
                 idle = set()
-                wait = self.fleet.retry_after_s()
-                self.schedule.kept_out(gated, started, wait)
+                self.schedule.kept_out(gated, started, self.fleet.retry_after_s())
             streams = [s for s in streams if s not in gated or s in idle]
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         if not streams:
@@ -301,8 +299,7 @@ class ScriptClaims:
                 self.schedule.claimed(stream, outcome, started)
                 backlog = backlog or outcome.full
         if backlog:
-            with contextlib.suppress(Exception):  # the gate then lapses itself
-                await self.fleet.open(client)
+            await self.fleet.open(client)
         return batch
 
     def _claim_groups(self, streams: list[str]) -> list[list[str]]:

@@ -10,7 +10,6 @@ rare sweep drops pending entries whose data was deleted (CLAIM skips them).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -79,8 +78,7 @@ class NativePathReads:
                 await self.sweep_if_due(client)
                 claiming = True
             else:
-                wait = self.fleet.retry_after_s()
-                self.schedule.kept_out(self.streams, now, wait)
+                self.schedule.kept_out(self.streams, now, self.fleet.retry_after_s())
         if not self.fleet.gated:
             # Cluster, no gate: a slot's read outlives one step (it goes on
             # in cluster_client), so every read claims.
@@ -116,11 +114,10 @@ class NativePathReads:
         read = await self.reads.read(
             client, read_from, next_claim, claim=claim, block=block
         )
-        if not claim:
-            return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
-        await self._note_backlog(client, list(read_from), read, started)
-        if any(maybe_reclaimed for _, _, _, maybe_reclaimed in read):
-            return await self._screen_reclaimed(client, read)
+        if claim:
+            await self._note_backlog(client, list(read_from), read, started)
+            if any(maybe_reclaimed for _, _, _, maybe_reclaimed in read):
+                return await self._screen_reclaimed(client, read)
         return [(stream, entry_id, fields) for stream, entry_id, fields, _ in read]
 
     async def _note_backlog(
@@ -143,8 +140,7 @@ class NativePathReads:
             self.schedule.read_claimed(stream, full=full, started=started)
             backlog = backlog or full
         if backlog:
-            with contextlib.suppress(Exception):  # the gate then lapses itself
-                await self.fleet.open(client)
+            await self.fleet.open(client)
 
     async def drop_trimmed(self, client: ScriptClient) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the
