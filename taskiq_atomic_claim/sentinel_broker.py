@@ -70,7 +70,10 @@ class MasterFollowingConnection(SentinelManagedConnection):
             and master is not None
             and (self.host, self.port) != tuple(master)
         ):
+            # connect() asks the sentinels: the parent's own reconnect goes
+            # back to the last address, whose handshake would land here again.
             await self.disconnect()
+            await self.connect()
         await super().send_packed_command(*args, **kwargs)
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:

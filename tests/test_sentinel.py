@@ -413,6 +413,37 @@ async def test_forced_failover_mid_run_nothing_lost(
     assert unexpiring_keys([new_master]) == []
 
 
+@bounded(60)
+async def test_a_connection_held_across_a_failover_moves_in_one_connect(
+    own_sentinels: LocalSentinels, make_broker: Brokers
+) -> None:
+    # A connection busy when the pool learned of the new master (a blocked
+    # read) goes back to it still on the old one; its next command must
+    # reach the new master through one look-up and one connect, not retry
+    # the old address from inside its own handshake.
+    setup = own_sentinels
+    broker = await make_broker(setup, "held", "holder")
+    async with broker.atomic.connection.connect() as client:
+        pool = client.connection_pool
+        held = await pool.get_connection()
+        try:
+            await held.send_command("PING")
+            await held.read_response()
+            old_master = setup.master_port()
+            new_master, _ = await asyncio.to_thread(setup.failover)
+            await pool.get_master_address()
+            old_before = connections_received(old_master)
+            await held.send_command("ROLE")
+            role = await held.read_response()
+        finally:
+            await pool.release(held)
+    # Retrying the old address from inside each handshake opened dozens
+    # (until RecursionError); the sentinels reconfiguring it may open one.
+    assert connections_received(old_master) - old_before <= 2
+    assert (held.host, held.port) == (HOST, new_master)
+    assert text(role[0]) == "master"
+
+
 @on_both("own_sentinels")
 @bounded(120)
 async def test_a_read_blocked_on_a_demoted_master_reconnects(
