@@ -73,7 +73,7 @@ class MasterFollowingConnection(SentinelManagedConnection):
             # connect() asks the sentinels: the parent's own reconnect goes
             # back to the last address, whose handshake would land here again.
             await self.disconnect()
-            await self.connect()
+            await self.connect()  # type: ignore[no-untyped-call, unused-ignore]
         await super().send_packed_command(*args, **kwargs)
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
