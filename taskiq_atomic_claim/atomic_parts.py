@@ -18,6 +18,7 @@ from redis.exceptions import RedisClusterException
 from taskiq import AckableMessage, AsyncBroker, BrokerMessage
 from taskiq.abc.result_backend import AsyncResultBackend
 
+from taskiq_atomic_claim import claim_gate
 from taskiq_atomic_claim.claim_gate import FleetCheck
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule, ScriptClaims
 from taskiq_atomic_claim.connection import Connection
@@ -147,7 +148,18 @@ class AtomicParts:
             group,
             consumer,
             read_count,
-            fleet,
+            (
+                claim_gate.per_slot(
+                    self.streams,
+                    group,
+                    consumer,
+                    settings.idle_timeout,
+                    settings.claim_interval,
+                    broker.block,
+                )
+                if connection.per_slot
+                else dict.fromkeys(self.streams, fleet)
+            ),
             per_slot=self.connection.per_slot,
             before_call=before_call,
         )

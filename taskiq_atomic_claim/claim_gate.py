@@ -15,11 +15,11 @@ one that gets through reads with ``CLAIM`` and the others read new entries
 only. A claim that comes back full opens the gate: a backlog is drained by
 every consumer that tries next, not by one.
 
-Not on Cluster (``gated=False``: every consumer claims each interval, one
-call per slot, or with every read where reads reclaim): the gate key lives
-on one primary, and while that primary is down redis-py's cluster client
-retries each call to it for seconds, which would stall the reads of the
-streams on the others.
+On Cluster the Lua path's claims have a gate per hash slot, its key in
+that slot (``per_slot``): a primary down stops only its own streams' looks,
+as it stops their claims. Where reads reclaim on Cluster every read claims
+(``gated=False``): a slot's read outlives one step in ``cluster_client``, so
+a read let through the gate could miss a slot.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import random
 from typing import Any
 
 from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.cluster_client import slot_groups
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import Fault, classify
 
@@ -49,8 +51,11 @@ class FleetCheck:
         read_block_ms: int,
         *,
         gated: bool = True,
+        one_slot: bool = False,
     ) -> None:
         self.key = key
+        # A gate of one Cluster slot's streams (see ``per_slot``).
+        self.one_slot = one_slot
         self.read_block_ms = read_block_ms
         self.gated = gated
         self.consumer = consumer
@@ -69,16 +74,15 @@ class FleetCheck:
             # The holder comes back as its key lapses, sometimes a moment
             # before: finding itself still named, it goes on looking (else
             # the gate would pass from worker to worker each interval).
-            async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
-                pipe.set(self.key, self.consumer, nx=True, px=self.interval_ms)
-                pipe.get(self.key)
-                got, holder = await pipe.execute()
+            got, holder = await self._try(client)
         except Exception as error:
             fault = classify(error)
             if fault.is_outage:
-                # Look as without a gate: the claim meets the outage stream
-                # by stream (on Cluster, only the unreachable slot's).
-                return True
+                # Look as without a gate: the claim meets the outage. One
+                # slot's primary down: its streams wait their next try, as
+                # each call to it stalls the loop while redis-py's cluster
+                # client retries it.
+                return not self.one_slot
             if fault is not Fault.FORBIDDEN:
                 raise
             logger.warning(
@@ -91,6 +95,31 @@ class FleetCheck:
             self._refused = True
             return True
         return bool(got) or (holder is not None and text(holder) == self.consumer)
+
+    async def _try(self, client: Any) -> tuple[Any, Any]:
+        """SET NX, and who holds the gate. One round trip on a server; on
+        Cluster two calls, each to the slot's primary alone (see
+        ``cluster_client``: a pipeline there retries a dead primary for
+        seconds)."""
+        set_nx = ("SET", self.key, self.consumer, "NX", "PX", self.interval_ms)
+        if self.one_slot:
+            got = await client.execute_command(*set_nx)
+            return got, None if got else await client.execute_command("GET", self.key)
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*set_nx)
+            pipe.get(self.key)
+            got, holder = await pipe.execute()
+        return got, holder
+
+    @staticmethod
+    async def _look(client: Any, look: tuple[Any, ...]) -> Any:
+        """One look on its own; refused, the refusal (as a pipeline's)."""
+        try:
+            return await client.execute_command(*look, parse_detail=True)
+        except Exception as error:
+            if classify(error).is_outage:
+                raise
+            return error
 
     async def open(self, client: ScriptClient) -> None:
         """A claim came back full (a backlog): let the next consumer that
@@ -118,13 +147,18 @@ class FleetCheck:
         whose check the server refused (the claim then reports why)."""
         if not self.gated:
             return streams
+        looks = [
+            ("XPENDING", stream, self.group, "IDLE", self.idle_timeout_ms, "-", "+", 1)
+            for stream in streams
+        ]
         try:
-            async with client.pipeline(transaction=False) as pipe:
-                for stream in streams:
-                    pipe.xpending_range(
-                        stream, self.group, "-", "+", 1, idle=self.idle_timeout_ms
-                    )
-                replies = await pipe.execute(raise_on_error=False)
+            if self.one_slot:
+                replies = [await self._look(client, look) for look in looks]
+            else:
+                async with client.pipeline(transaction=False) as pipe:
+                    for look in looks:
+                        pipe.execute_command(*look, parse_detail=True)
+                    replies = await pipe.execute(raise_on_error=False)
         except Exception as error:
             if not classify(error).is_outage:
                 raise
@@ -134,3 +168,30 @@ class FleetCheck:
             for stream, reply in zip(streams, replies, strict=True)
             if reply or isinstance(reply, Exception)
         ]
+
+
+def per_slot(
+    streams: list[str],
+    group: str,
+    consumer: str,
+    idle_timeout_ms: int,
+    interval_ms: int,
+    read_block_ms: int,
+) -> dict[str, FleetCheck]:
+    """Cluster: each stream's gate, one per hash slot, its key in that slot
+    (named by the slot's first stream in name order, as every consumer of
+    the fleet names it)."""
+    gates: dict[str, FleetCheck] = {}
+    for in_slot in slot_groups(dict.fromkeys(streams, ">")):
+        key = StreamKeys(min(in_slot), group).claim_gate(streams)
+        gate = FleetCheck(
+            key,
+            consumer,
+            group,
+            idle_timeout_ms,
+            interval_ms,
+            read_block_ms,
+            one_slot=True,
+        )
+        gates.update(dict.fromkeys(in_slot, gate))
+    return gates

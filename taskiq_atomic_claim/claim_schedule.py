@@ -143,7 +143,7 @@ class ScriptClaims:
         group: str,
         consumer: str,
         read_count: int | None,
-        fleet: FleetCheck,
+        gates: dict[str, FleetCheck],
         *,
         per_slot: bool = False,
         before_call: BeforeCall = no_check,
@@ -156,7 +156,9 @@ class ScriptClaims:
         self.consumer = consumer
         self.settings = schedule.settings
         self.read_count = read_count
-        self.fleet = fleet
+        # Each stream's gate: one for all on a single server, one per slot
+        # on Cluster.
+        self.gates = gates
         # Cluster: one script call per hash slot (its keys must share one),
         # and a slot that cannot be claimed now is skipped, not fatal.
         self.per_slot = per_slot
@@ -271,16 +273,17 @@ class ScriptClaims:
         gated = self.schedule.gated(streams)
         if gated:
             await self.before_call(client)
-            if await self.fleet.enter(client):
-                idle = set(await self.fleet.idle_streams(client, gated))
-            else:
-                idle = set()
-                self.schedule.kept_out(gated, started, self.fleet.retry_after_s())
+            idle = set()
+            for gate, behind in self._by_gate(gated).items():
+                if await gate.enter(client):
+                    idle.update(await gate.idle_streams(client, behind))
+                else:
+                    self.schedule.kept_out(behind, started, gate.retry_after_s())
             streams = [s for s in streams if s not in gated or s in idle]
         batch: list[tuple[str, str, dict[Any, Any]]] = []
         if not streams:
             return batch
-        backlog = False
+        backlog: list[str] = []
         for group in self._claim_groups(streams):
             try:
                 outcomes = await self.claim_streams(client, group)
@@ -297,10 +300,17 @@ class ScriptClaims:
                     )
                     batch.append((stream, entry.id, entry.fields))
                 self.schedule.claimed(stream, outcome, started)
-                backlog = backlog or outcome.full
-        if backlog:
-            await self.fleet.open(client)
+                if outcome.full:
+                    backlog.append(stream)
+        for gate in self._by_gate(backlog):
+            await gate.open(client)
         return batch
+
+    def _by_gate(self, streams: list[str]) -> dict[FleetCheck, list[str]]:
+        by_gate: dict[FleetCheck, list[str]] = {}
+        for stream in streams:
+            by_gate.setdefault(self.gates[stream], []).append(stream)
+        return by_gate
 
     def _claim_groups(self, streams: list[str]) -> list[list[str]]:
         """Streams that one script call can claim together."""

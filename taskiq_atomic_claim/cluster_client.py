@@ -70,6 +70,10 @@ _SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVAL"})
 # resends a command it routed itself after a lost connection, and a resent
 # XADD on a server without IDMP is a second entry (kicking.py retries).
 _KICK_COMMANDS = frozenset({"XADD"})
+# The fleet's gate and look (claim_gate.py): sent to their key's primary
+# as the only target, which redis-py does not retry, so a primary that is
+# down costs one refused connection, not seconds of the loop.
+_GATE_COMMANDS = frozenset({"SET", "GET", "XPENDING"})
 
 
 def slot_groups(streams: dict[str, str | int]) -> list[dict[str, str | int]]:
@@ -150,6 +154,8 @@ class SlotRoutedClient:
             return _libraries_everywhere(await self._on_every_primary(args, options))
         if command in _SCRIPT_CALLS and len(args) > 3 and int(args[2]) > 0:
             return await self._on_slot(text(args[3]), args, options)
+        if command in _GATE_COMMANDS:
+            return await self._on_slot(text(args[1]), args, options)
         if command in _KICK_COMMANDS:
             return await self._kick(text(args[1]), args, options)
         return await self.cluster.execute_command(*args, **options)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from redis import Redis as SyncRedis
+from redis.asyncio import Redis as AsyncRedis
 from redis.crc import key_slot
 from redis.exceptions import ClusterCrossSlotError, RedisClusterException
 from taskiq.kicker import AsyncKicker
@@ -32,6 +33,7 @@ from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import LIBRARY, LoadMode, _library_name
 from taskiq_atomic_claim.server_info import NATIVE_CLAIM, ScriptingUnavailableError
 from tests.test_cli import cli
+from tests.test_native_claim import commands_seen
 from tests.topologies import (
     HOST,
     NO_SCRIPTS_PASSWORD,
@@ -324,6 +326,42 @@ async def test_streams_on_three_primaries_are_trimmed_once_consumed(
     await consumer.stop()
     assert max(await lengths()) < 200, await lengths()
     assert unexpiring_keys([node.port for node in cluster.primaries]) == []
+
+
+async def commands_on(node: ClusterNode, seconds: float) -> list[list[str]]:
+    """Every command ``node`` runs for ``seconds`` (MONITOR), as tokens."""
+    async with AsyncRedis(host=HOST, port=node.port) as client:
+        return await commands_seen(client, seconds)
+
+
+@bounded(60)
+async def test_an_idle_fleet_looks_once_per_slot_per_interval(
+    cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    """A gate per slot (its key in that slot): one consumer of the fleet
+    looks at a slot's streams each claim interval, with a plain XPENDING,
+    and with nothing idle no claim script runs, however many workers
+    listen."""
+    streams = spread_streams(cluster, f"gated-{uuid.uuid4().hex[:6]}")
+    brokers = [
+        await make_broker(
+            cluster, streams, f"w{n}", idle_timeout=4000, claim_interval=500
+        )
+        for n in range(4)
+    ]
+    consumers = [Consumer(broker) for broker in brokers]
+    await asyncio.sleep(0.5)  # past the first claims, due at startup
+    seen = await asyncio.gather(*(commands_on(node, 2.0) for node in cluster.primaries))
+    for consumer in consumers:
+        await consumer.stop()
+    for node_commands in seen:
+        fcalls = [c[1] for c in node_commands if c[0].upper() == "FCALL"]
+        claims = [name for name in fcalls if name.endswith("_claim")]
+        looks = [c for c in node_commands if c[0].upper() == "XPENDING"]
+        # Without the gate: 4 workers x 4 intervals claim on each slot (16).
+        assert claims == [], claims
+        # One look per interval, fleet-wide (4 in 2 s), and the trims' own.
+        assert len(looks) <= 10, looks
 
 
 @bounded(60)

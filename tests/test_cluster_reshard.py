@@ -81,6 +81,17 @@ async def kick(broker: Any, stream: str, tag: str, count: int) -> set[str]:
     return bodies
 
 
+def orphan_on(node: ClusterNode, stream: str, body: str) -> str:
+    """An entry read by a consumer that then died (one step: no live
+    consumer reads it first)."""
+    with SyncRedis(host=HOST, port=node.port) as client:
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd(stream, {"data": body})
+        pipe.xreadgroup("taskiq", "ghost", {stream: ">"}, count=1)
+        pipe.execute()
+    return body
+
+
 class MovingSlot(NamedTuple):
     """A fresh stream, its slot, the slot's primary and the one it is to move
     to, and a started broker consuming the stream."""
@@ -179,6 +190,9 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
     # hash is one more key of the ack.
     consumer = Consumer(broker, start=True, detached_acks=True)
     assert await consumer.wait_for(await kick(broker, stream, "before", 5), 10)
+    # A dead consumer's entry, idle within the migration: the fleet's look
+    # finds it, so a claim meets the migrating slot.
+    ghost = orphan_on(source, stream, f"{stream}/ghost")
 
     cluster.begin_migration(slot, source, target)
     migrating = time.monotonic()
@@ -209,6 +223,7 @@ async def test_a_slot_left_migrating_stops_no_listen_and_drops_no_ack(
 
     acked = await drained(broker, stream, 15)
     assert acked is not None
+    assert ghost in consumer.bodies
     after = await kick(broker, stream, "after", 5)
     assert await consumer.wait_for(after, 10)
     # Two idle timeouts and claim cycles: an entry whose ack was dropped
