@@ -316,6 +316,11 @@ PATH_MODULES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+def per_path(*paths: tuple[str, ...]) -> pytest.MarkDecorator:
+    """Run one test of a matrix module on one server per path only."""
+    return pytest.mark.server_paths(*paths)
+
+
 def _one_per_path(paths: tuple[tuple[str, ...], ...], params: list[str]) -> list[str]:
     chosen: list[str] = []
     for path in paths:
@@ -334,7 +339,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = [p for p in _server_params() if not chosen or p in chosen]
     module = metafunc.module.__name__.rsplit(".", 1)[-1]
     assigned = ONE_SERVER_MODULES.get(module)
-    paths = PATH_MODULES.get(module)
+    # A test of a matrix module whose behaviour differs only by path.
+    marked = metafunc.definition.get_closest_marker("server_paths")
+    paths = marked.args if marked else PATH_MODULES.get(module)
     narrowed = not chosen and not metafunc.config.getoption("--all-servers")
     if assigned and narrowed:
         params = [next((p for p in assigned if p in params), params[0])][:1]

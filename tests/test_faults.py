@@ -31,7 +31,14 @@ from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.operations import requeue_dead_letters_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
-from tests.conftest import Server, server_command, with_user
+from tests.conftest import (
+    LUA_PATH,
+    NATIVE_PATH,
+    Server,
+    per_path,
+    server_command,
+    with_user,
+)
 from tests.proxies import FreezingProxy
 from tests.test_broker import message, receive
 
@@ -189,6 +196,9 @@ async def a_long_task_and_a_rival(
     return owner, task, workers.next_message(rival)
 
 
+# The heartbeat's calls are the same on every server; the rival's claim
+# differs by path.
+@per_path(LUA_PATH, NATIVE_PATH)
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 async def test_the_heartbeat_survives_an_error_reply(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture, fault: str
@@ -291,6 +301,7 @@ async def test_an_ack_out_of_memory_acks_for_real(
         pytest.fail(f"acked out of memory, delivered again: {again.result().data!r}")
 
 
+@per_path(LUA_PATH, NATIVE_PATH)
 async def test_the_heartbeat_keeps_a_long_task_owned_out_of_memory(
     workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -435,6 +446,8 @@ def via(url: str, port: int) -> str:
     )
 
 
+# The frozen read is the loop's: it differs by path, not by server.
+@per_path(LUA_PATH, NATIVE_PATH)
 async def test_a_half_open_connection_is_noticed_without_socket_timeout(
     server: Server, workers: Workers, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:

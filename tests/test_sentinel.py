@@ -80,6 +80,9 @@ def on_both(setup: str) -> pytest.MarkDecorator:
 
 
 def local_sentinels(request: pytest.FixtureRequest) -> LocalSentinels:
+    chosen = request.config.getoption("--server")
+    if chosen and not any(name.startswith(f"{request.param}.") for name in chosen):
+        pytest.skip(f"--server {' '.join(chosen)} leaves out {request.param}")
     binary, what = SENTINEL_SERVERS[request.param]
     return LocalSentinels(need(binary, what))
 
