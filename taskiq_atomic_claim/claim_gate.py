@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import time
 from typing import Any
 
 from taskiq_atomic_claim.clients import ScriptClient
@@ -36,6 +37,9 @@ from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.server_errors import Fault, classify
 
 logger = logging.getLogger("taskiq.atomic_claim")
+
+# Refused by the ACL, the gate is tried again this many intervals later.
+REFUSED_RETRY = 10
 
 
 class FleetCheck:
@@ -62,13 +66,18 @@ class FleetCheck:
         self.group = group
         self.idle_timeout_ms = idle_timeout_ms
         self.interval_ms = interval_ms
-        # An ACL from before the gate refuses its key: every consumer then
-        # looks each interval, as without a gate.
-        self._refused = False
+        # An ACL from before the gate refuses its key: the consumer looks
+        # each interval, as without a gate, and tries the gate again every
+        # REFUSED_RETRY intervals (an operator re-running `acl` restarts
+        # nothing).
+        self._refused_until: float | None = None
 
     async def enter(self, client: ScriptClient) -> bool:
         """Whether this consumer looks this interval."""
-        if self._refused or not self.gated:
+        if not self.gated:
+            return True
+        refused_until = self._refused_until
+        if refused_until is not None and time.monotonic() < refused_until:
             return True
         try:
             # The holder comes back as its key lapses, sometimes a moment
@@ -85,15 +94,22 @@ class FleetCheck:
                 return not self.one_slot
             if fault is not Fault.FORBIDDEN:
                 raise
-            logger.warning(
-                "Consumer %r cannot use the fleet's claim gate (%s): it looks"
-                " for idle entries every claim interval; re-run"
-                " `taskiq-atomic-claim acl` for the new key",
-                self.consumer,
-                error,
-            )
-            self._refused = True
+            if refused_until is None:
+                logger.warning(
+                    "Consumer %r cannot use the fleet's claim gate (%s): it"
+                    " looks for idle entries every claim interval; re-run"
+                    " `taskiq-atomic-claim acl` for the new key",
+                    self.consumer,
+                    error,
+                )
+            retry_s = REFUSED_RETRY * self.interval_ms / 1000
+            self._refused_until = time.monotonic() + retry_s
             return True
+        if refused_until is not None:
+            logger.warning(
+                "Consumer %r uses the fleet's claim gate again", self.consumer
+            )
+            self._refused_until = None
         return bool(got) or (holder is not None and text(holder) == self.consumer)
 
     async def _try(self, client: Any) -> tuple[Any, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 from typing import Any
@@ -42,11 +43,13 @@ from taskiq_atomic_claim.server_info import ScriptingUnavailableError
 from tests.conftest import (
     DRILL_HARNESS,
     DRILL_QUEUES,
+    LUA_PATH,
     SUITE_GROUP,
     SUITE_STREAMS,
     WORKER_USER,
     Server,
     acl_log_entries,
+    per_path,
     server_command,
     with_user,
 )
@@ -552,3 +555,53 @@ def test_delete_acked_without_a_version_says_the_refused_version_was_a_default()
     assert "Redis >= 8.2" in printed.stderr
     assert "default" in printed.stderr and "7.2" in printed.stderr, printed.stderr
     assert "--url" in printed.stderr and "--server-version" in printed.stderr
+
+
+async def logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    for _ in range(100):
+        if any(text in record.getMessage() for record in caplog.records):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not logged in 5 s: {text!r}")
+
+
+@per_path(LUA_PATH)
+async def test_a_gate_the_acl_refused_is_used_again_once_allowed(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An operator re-runs `acl` after an upgrade added the gate's key: the
+    # running worker uses the gate again, no restart needed.
+    version = await version_of(redis)
+    rule = worker_acl_rule([QUEUE], GROUP, version)
+    gate = StreamKeys(QUEUE, GROUP)
+    without_gate = [r for r in rule if "gate" not in r]
+    assert len(without_gate) == len(rule) - 1
+    await set_user(redis, without_gate)
+    await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
+    broker = AtomicRedisStreamBroker(
+        with_user(server.url, USER, PASSWORD),
+        queue_name=QUEUE,
+        consumer_group_name=GROUP,
+        consumer_name="upgraded",
+        idle_timeout=1000,
+        claim_interval=100,
+        xread_block=100,
+    )
+    caplog.set_level(logging.INFO, "taskiq.atomic_claim")
+    await broker.startup()
+    listening = asyncio.ensure_future(broker.listen().__anext__())
+    try:
+        await logged(caplog, "cannot use the fleet's claim gate")
+        await set_user(redis, rule)
+        await logged(caplog, "uses the fleet's claim gate again")
+        assert await redis.get(gate.claim_gate([QUEUE])) == b"upgraded"
+        assert not listening.done()
+    finally:
+        listening.cancel()
+        await broker.shutdown()
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if "cannot use the fleet's" in r.getMessage()
+    ]
+    assert len(warned) == 1, warned
