@@ -281,10 +281,6 @@ class EntryLifecycle:
         if delivery is not None:
             delivery.unknown_task = task_name
 
-    def of_current_task(self) -> Delivery | None:
-        task = asyncio.current_task()
-        return None if task is None else self._by_task.get(task)
-
     # Loaded -> started, just before the task runs.
 
     async def starting(self) -> None:

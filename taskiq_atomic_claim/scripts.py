@@ -292,11 +292,6 @@ class ScriptRunner:
             self._server = await read_server_info(client)
         return self._server
 
-    @property
-    def known_server(self) -> ServerInfo | None:
-        """The server as last read, if it was: no round trip."""
-        return self._server
-
     def _note_reload(self) -> None:
         """An operation went missing and is loaded again (not a first load)."""
         if self._loaded:
