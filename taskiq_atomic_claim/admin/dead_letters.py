@@ -186,16 +186,6 @@ async def chosen_dead_letter_ids(
     return [letter.id async for letter in chosen]
 
 
-async def dead_letter_ids_of_task(
-    client: Redis,
-    keys: StreamKeys,
-    task_name: str,
-    formatter: TaskiqFormatter | None = None,
-) -> list[str]:
-    """Ids of the dead letters whose message is a call of ``task_name``."""
-    return await chosen_dead_letter_ids(client, keys, None, task_name, formatter)
-
-
 async def requeue_dead_letters(
     runner: ScriptRunner,
     client: Redis,
