@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -297,20 +296,18 @@ class EntryLifecycle:
             await self.suspects.wait_turn(delivery)
         if self.settings.max_deliveries == 0 or delivery.started:
             return  # nothing counts crashes: no key, no round trip
-        written, recorded = self.calls.start(
-            self.keys(delivery.stream).started, self.started_ttl, delivery.entry_id
-        )
         try:
-            await written
+            await self.calls.start(
+                self.keys(delivery.stream).started,
+                self.started_ttl,
+                delivery.entry_id,
+            )
         except Exception as error:
             self.start_not_recorded(delivery, error)
             # The pool's idle connections most likely went with this one.
             await drop_idle_connections(self.connect, error)
             return
         delivery.started = True
-        # Refused once written (out of memory, the ACL): the task runs
-        # anyway, uncounted, as when the write failed.
-        recorded.add_done_callback(functools.partial(self._start_replied, delivery))
         if delivery.reclaimed and tracing.recording():
             await self._trace_redelivery(delivery)
 
@@ -337,13 +334,6 @@ class EntryLifecycle:
             pending = []
         deliveries = int(pending[0]["times_delivered"]) if pending else 0
         tracing.redelivered(deliveries, delivery.crashes)
-
-    def _start_replied(
-        self, delivery: Delivery, recorded: asyncio.Future[None]
-    ) -> None:
-        error = None if recorded.cancelled() else recorded.exception()
-        if error is not None:
-            self.start_not_recorded(delivery, error)
 
     def start_not_recorded(
         self, delivery: Delivery, error: BaseException | None

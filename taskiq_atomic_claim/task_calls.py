@@ -2,13 +2,10 @@
 made in one turn of the event loop (under load, within a millisecond)
 go out together (``TurnBatch``), in one pipeline (``TaskCalls``).
 
-A start's task runs once the start is written (on its way to the server,
-so a worker its task kills at once has the crash counted), not once the
-server replied: at light load that reply is most of what a task would wait
-for. Its reply is still read, and a refusal reported (``TaskCalls.start``).
-An ack is awaited before its task's slot is free. One call at a time: a
-call gathers while the last one is in flight, so a busy worker's calls
-share round trips, and an ack never overtakes its start.
+Each caller awaits its own reply: a start is on the server before its task
+runs (so a worker killed by its task at once has the crash counted), an
+ack before its task's slot is free. While a call is in flight the next one
+gathers, so a busy worker's calls share round trips.
 """
 
 from __future__ import annotations
@@ -16,8 +13,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
-
-from redis.exceptions import ResponseError
 
 from taskiq_atomic_claim.connection import Connect
 from taskiq_atomic_claim.server_calls import within
@@ -102,8 +97,8 @@ class TurnBatch(Generic[Item]):
             await asyncio.wait([self.sending])
 
 
-# (started hash, its ttl in ms, entry id, set once the start is written)
-Start = tuple[str, int, str, "asyncio.Future[None]"]
+# (started hash, its ttl in ms, entry id)
+Start = tuple[str, int, str]
 # (stream, started hash, group, delete_acked, entry id)
 Ack = tuple[str, str, str, bool, str]
 AckGroup = tuple[str, str, str, bool]
@@ -121,14 +116,8 @@ class TaskCalls:
         self.per_slot = per_slot
         self.calls: TurnBatch[Start | Ack] = TurnBatch(self.send, deadline_s)
 
-    def start(
-        self, started: str, ttl_ms: int, entry_id: str
-    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
-        """The start, batched: the first future is set once it is written
-        (on Cluster, once replied), the second once the server replied."""
-        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        written.add_done_callback(_retrieved)
-        return written, self.calls.add((started, ttl_ms, entry_id, written))
+    def start(self, started: str, ttl_ms: int, entry_id: str) -> Awaitable[None]:
+        return self.calls.add((started, ttl_ms, entry_id))
 
     def ack(
         self, stream: str, started: str, group: str, delete_acked: bool, entry_id: str
@@ -141,97 +130,25 @@ class TaskCalls:
     async def send(self, batch: Waiting[Start | Ack]) -> None:
         hashes: dict[str, tuple[str, int, list[str]]] = {}
         acks: dict[AckGroup, list[str]] = {}
-        writes: list[asyncio.Future[None]] = []
         for call, _ in batch:
-            if len(call) == 4:
-                started, ttl_ms, entry_id, written = call
+            if len(call) == 3:
+                started, ttl_ms, entry_id = call
                 hashes.setdefault(started, (started, ttl_ms, []))[2].append(entry_id)
-                writes.append(written)
             else:
                 stream, started, group, delete_acked, entry_id = call
                 key = (stream, started, group, delete_acked)
                 acks.setdefault(key, []).append(entry_id)
-
-        def on_written() -> None:
-            for written in writes:
-                if not written.done():
-                    written.set_result(None)
-
-        try:
-            async with self.connect() as client:
-                if self.per_slot:
-                    failed = await _per_slot(client, hashes, acks)
-                else:
-                    failed = await _one_connection(client, hashes, acks, on_written)
-        except BaseException as error:
-            failure = (
-                error
-                if isinstance(error, Exception)
-                else RuntimeError("the call was cancelled")
-            )
-            for written in writes:
-                if not written.done():
-                    written.set_exception(failure)
-            raise
-        on_written()
+        async with self.connect() as client:
+            if self.per_slot:
+                failed = await _per_slot(client, hashes, acks)
+            else:
+                failed = await _one_pipeline(client, hashes, acks)
         if not failed:
             return
         for call, future in batch:
-            refused = failed.get(call[0] if len(call) == 4 else call[:4])
-            if refused is not None and not future.done():  # else cancelled
-                future.set_exception(refused)
-
-
-def _retrieved(future: asyncio.Future[None]) -> None:
-    """Its failure is reported through the reply's future too."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _commands(
-    hashes: dict[str, tuple[str, int, list[str]]], acks: dict[AckGroup, list[str]]
-) -> list[tuple[Any, ...]]:
-    """The starts' MULTI ... EXEC, then the acks (outside the transaction:
-    out of memory the server refuses the starts, never the acks)."""
-    commands: list[tuple[Any, ...]] = []
-    if hashes:
-        commands.append(("MULTI",))
-        for started, ttl_ms, ids in hashes.values():
-            commands += start_commands(started, ttl_ms, ids)
-        commands.append(("EXEC",))
-    for (stream, started, group, delete_acked), ids in acks.items():
-        commands += ack_commands(stream, started, group, ids, delete_acked)
-    return commands
-
-
-async def _one_connection(
-    client: Any,
-    hashes: dict[str, tuple[str, int, list[str]]],
-    acks: dict[AckGroup, list[str]],
-    written: Callable[[], None],
-) -> dict[Any, Exception]:
-    """Starts and acks written at once on one connection of the client's
-    pool (a pipeline without its resend: a start sent twice would count
-    twice); ``written`` is called before the replies are read."""
-    commands = _commands(hashes, acks)
-    pool = client.connection_pool
-    connection = await pool.get_connection()
-    try:
-        await connection.send_packed_command(connection.pack_commands(commands))
-        written()
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:
-                replies.append(error)
-    except BaseException:
-        # Maybe a reply left unread: never reuse it.
-        await connection.disconnect(nowait=True)
-        raise
-    finally:
-        await pool.release(connection)
-    return _failures(hashes, acks, replies)
+            error = failed.get(call[0] if len(call) == 3 else call[:4])
+            if error is not None and not future.done():  # else cancelled
+                future.set_exception(error)
 
 
 async def _one_pipeline(
@@ -242,19 +159,16 @@ async def _one_pipeline(
     """Starts and acks in one pipeline; what failed, by started hash or
     ack group."""
     async with client.pipeline(transaction=False) as pipe:
-        for command in _commands(hashes, acks):
-            pipe.execute_command(*command)
+        if hashes:
+            pipe.execute_command("MULTI")
+            for started, ttl_ms, ids in hashes.values():
+                for command in start_commands(started, ttl_ms, ids):
+                    pipe.execute_command(*command)
+            pipe.execute_command("EXEC")
+        for (stream, started, group, delete_acked), ids in acks.items():
+            for command in ack_commands(stream, started, group, ids, delete_acked):
+                pipe.execute_command(*command)
         replies = await pipe.execute(raise_on_error=False)
-    return _failures(hashes, acks, replies)
-
-
-def _failures(
-    hashes: dict[str, tuple[str, int, list[str]]],
-    acks: dict[AckGroup, list[str]],
-    replies: list[Any],
-) -> dict[Any, Exception]:
-    """What failed, by started hash or ack group, from ``_commands``'s
-    replies."""
     failed: dict[Any, Exception] = {}
     acked = replies
     if hashes:

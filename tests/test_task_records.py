@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from taskiq import TaskiqMessage
 from taskiq.utils import maybe_awaitable
 
-from taskiq_atomic_claim import AtomicRedisStreamBroker
 from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.receiver_hooks import StartRecorder
 from tests.conftest import Server
-from tests.proxies import LoopbackProxy
 from tests.receiver import start_as_the_receiver_does
 from tests.test_broker import message
-from tests.test_faults import via
 from tests.test_reliability import started
 
 KEYS = StreamKeys("taskiq", "taskiq")
@@ -123,56 +119,3 @@ async def test_starts_made_together_go_out_as_one_transaction(
         assert (await redis.xpending("taskiq", "taskiq"))["pending"] == 0
     finally:
         await broker.shutdown()
-
-
-class HeldReplies(LoopbackProxy):
-    """Passes everything until ``hold()``; then the server's replies wait
-    until ``release()``."""
-
-    def __init__(self, upstream_port: int) -> None:
-        super().__init__(upstream_port)
-        self.released = asyncio.Event()
-        self.released.set()
-
-    def hold(self) -> None:
-        self.released.clear()
-
-    def release(self) -> None:
-        self.released.set()
-
-    async def passing(self, data: bytes, to_server: bool) -> None:
-        if not to_server:
-            await self.released.wait()
-
-
-async def test_a_task_runs_once_its_start_is_written_not_replied(
-    server: Server, redis: Redis
-) -> None:
-    """The start is on the server before its task runs; the task does not
-    wait for the server's reply (at light load, most of what it waited)."""
-    upstream = urlsplit(server.admin_url).port
-    assert upstream is not None
-    async with HeldReplies(upstream) as proxy:
-        broker = AtomicRedisStreamBroker(
-            via(server.url, proxy.port), idle_timeout=10_000, xread_block=200
-        )
-        await broker.startup()
-        try:
-            await broker.kick(message("held"))
-            delivered = await asyncio.wait_for(broker.listen().__anext__(), 5)
-            # Idle connections in the pool: no handshake waits on a reply.
-            pooled = Redis(connection_pool=broker.connection_pool)
-            await asyncio.gather(*(pooled.ping() for _ in range(4)))
-            proxy.hold()
-            starting = asyncio.create_task(
-                start_as_the_receiver_does(broker, delivered)
-            )
-            done, _ = await asyncio.wait({starting}, timeout=3)
-            proxy.release()
-            assert done, "the task waited for its start's reply"
-            entry_id = delivered.data.entry_id  # type: ignore[attr-defined]
-            assert await redis.hget(KEYS.started, entry_id) == b"1"
-            await maybe_awaitable(delivered.ack())
-        finally:
-            proxy.release()
-            await broker.shutdown()
