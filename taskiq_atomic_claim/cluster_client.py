@@ -70,9 +70,11 @@ _SCRIPT_CALLS = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVAL"})
 # resends a command it routed itself after a lost connection, and a resent
 # XADD on a server without IDMP is a second entry (kicking.py retries).
 _KICK_COMMANDS = frozenset({"XADD"})
-# The fleet's gate and look (claim_gate.py): sent to their key's primary
-# as the only target, which redis-py does not retry, so a primary that is
-# down costs one refused connection, not seconds of the loop.
+# Single-key calls sent to their key's primary as the only target, which
+# redis-py does not retry, so a primary that is down costs one refused
+# connection, not seconds of the loop: the fleet's gate and look
+# (claim_gate.py), and with them the liveness thread's alive key and a
+# traced redelivery's XPENDING.
 _GATE_COMMANDS = frozenset({"SET", "GET", "XPENDING"})
 
 
