@@ -130,15 +130,29 @@ class AtomicParts:
             self.scripts, consumer, additional_streams, settings.delete_acked
         )
         # One consumer of the fleet reading these streams looks for idle
-        # entries each claim interval.
-        fleet = FleetCheck(
-            StreamKeys(queue_name, group).claim_gate(self.streams),
-            consumer,
-            group,
-            settings.idle_timeout,
-            settings.claim_interval,
-            broker.block,
-            gated=not connection.per_slot,
+        # entries each claim interval: one gate for all of them on a
+        # server, one per hash slot on Cluster.
+        gates = (
+            claim_gate.per_slot(
+                self.streams,
+                group,
+                consumer,
+                settings.idle_timeout,
+                settings.claim_interval,
+                broker.block,
+            )
+            if connection.per_slot
+            else dict.fromkeys(
+                self.streams,
+                FleetCheck(
+                    StreamKeys(queue_name, group).claim_gate(self.streams),
+                    consumer,
+                    group,
+                    settings.idle_timeout,
+                    settings.claim_interval,
+                    broker.block,
+                ),
+            )
         )
         self.claims = ScriptClaims(
             self.scripts,
@@ -148,18 +162,7 @@ class AtomicParts:
             group,
             consumer,
             read_count,
-            (
-                claim_gate.per_slot(
-                    self.streams,
-                    group,
-                    consumer,
-                    settings.idle_timeout,
-                    settings.claim_interval,
-                    broker.block,
-                )
-                if connection.per_slot
-                else dict.fromkeys(self.streams, fleet)
-            ),
+            gates,
             per_slot=self.connection.per_slot,
             before_call=before_call,
         )
@@ -220,7 +223,8 @@ class AtomicParts:
                 self.in_flight,
                 self.metrics,
                 self.trim,
-                fleet,
+                gates,
+                per_slot=self.connection.per_slot,
             ),
             path=self.path,
             groups=self.groups,

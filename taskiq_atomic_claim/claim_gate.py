@@ -15,11 +15,9 @@ one that gets through reads with ``CLAIM`` and the others read new entries
 only. A claim that comes back full opens the gate: a backlog is drained by
 every consumer that tries next, not by one.
 
-On Cluster the Lua path's claims have a gate per hash slot, its key in
-that slot (``per_slot``): a primary down stops only its own streams' looks,
-as it stops their claims. Where reads reclaim on Cluster every read claims
-(``gated=False``): a slot's read outlives one step in ``cluster_client``, so
-a read let through the gate could miss a slot.
+On Cluster there is a gate per hash slot, its key in that slot
+(``per_slot``): a primary down stops only its own streams' looks, as it
+stops their claims.
 """
 
 from __future__ import annotations
@@ -54,14 +52,12 @@ class FleetCheck:
         interval_ms: int,
         read_block_ms: int,
         *,
-        gated: bool = True,
         one_slot: bool = False,
     ) -> None:
         self.key = key
         # A gate of one Cluster slot's streams (see ``per_slot``).
         self.one_slot = one_slot
         self.read_block_ms = read_block_ms
-        self.gated = gated
         self.consumer = consumer
         self.group = group
         self.idle_timeout_ms = idle_timeout_ms
@@ -74,8 +70,6 @@ class FleetCheck:
 
     async def enter(self, client: ScriptClient) -> bool:
         """Whether this consumer looks this interval."""
-        if not self.gated:
-            return True
         refused_until = self._refused_until
         if refused_until is not None and time.monotonic() < refused_until:
             return True
@@ -142,9 +136,8 @@ class FleetCheck:
         tries in, so every consumer with room joins the drain within two
         intervals. Best effort: if the DEL fails, the gate lapses by itself
         within an interval."""
-        if self.gated:
-            with contextlib.suppress(Exception):
-                await client.execute_command("DEL", self.key)
+        with contextlib.suppress(Exception):
+            await client.execute_command("DEL", self.key)
 
     def retry_after_s(self) -> float:
         """When a consumer kept out tries again: one to two intervals on; at
@@ -161,8 +154,6 @@ class FleetCheck:
     async def idle_streams(self, client: Any, streams: list[str]) -> list[str]:
         """``streams`` with an entry pending for idle_timeout or longer, or
         whose check the server refused (the claim then reports why)."""
-        if not self.gated:
-            return streams
         looks = [
             ("XPENDING", stream, self.group, "IDLE", self.idle_timeout_ms, "-", "+", 1)
             for stream in streams
@@ -184,6 +175,16 @@ class FleetCheck:
             for stream, reply in zip(streams, replies, strict=True)
             if reply or isinstance(reply, Exception)
         ]
+
+
+def by_gate(
+    gates: dict[str, FleetCheck], streams: list[str]
+) -> dict[FleetCheck, list[str]]:
+    """``streams`` grouped by the gate each is behind."""
+    grouped: dict[FleetCheck, list[str]] = {}
+    for stream in streams:
+        grouped.setdefault(gates[stream], []).append(stream)
+    return grouped
 
 
 def per_slot(

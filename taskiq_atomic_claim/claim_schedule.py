@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from taskiq_atomic_claim.claim import ClaimOutcome, claim_streams
-from taskiq_atomic_claim.claim_gate import FleetCheck
+from taskiq_atomic_claim.claim_gate import FleetCheck, by_gate
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.cluster_client import slot_groups
 from taskiq_atomic_claim.entry_lifecycle import EntryLifecycle
@@ -274,7 +274,7 @@ class ScriptClaims:
         if gated:
             await self.before_call(client)
             idle = set()
-            for gate, behind in self._by_gate(gated).items():
+            for gate, behind in by_gate(self.gates, gated).items():
                 if await gate.enter(client):
                     idle.update(await gate.idle_streams(client, behind))
                 else:
@@ -302,15 +302,9 @@ class ScriptClaims:
                 self.schedule.claimed(stream, outcome, started)
                 if outcome.full:
                     backlog.append(stream)
-        for gate in self._by_gate(backlog):
+        for gate in by_gate(self.gates, backlog):
             await gate.open(client)
         return batch
-
-    def _by_gate(self, streams: list[str]) -> dict[FleetCheck, list[str]]:
-        by_gate: dict[FleetCheck, list[str]] = {}
-        for stream in streams:
-            by_gate.setdefault(self.gates[stream], []).append(stream)
-        return by_gate
 
     def _claim_groups(self, streams: list[str]) -> list[list[str]]:
         """Streams that one script call can claim together."""

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from redis.asyncio import RedisCluster
@@ -286,6 +286,8 @@ class SlotRoutedClient:
         groups = slot_groups(streams)
         if len(groups) == 1:
             return await read(groups[0])
+        if block is None:
+            return await self._at_once(groups, read)
         now = time.monotonic()
         for group in groups:
             key = tuple(group)
@@ -303,6 +305,33 @@ class SlotRoutedClient:
             self._reads.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
         return self._collect(done, len(groups))
+
+    async def _at_once(
+        self,
+        groups: list[dict[str, str | int]],
+        read: Callable[[dict[str, str | int]], Awaitable[StreamEntries]],
+    ) -> StreamEntries:
+        """A read that does not block (the claims where reads reclaim), one
+        per slot, awaited here beside the blocking reads outstanding: a
+        slot whose primary cannot be reached gives nothing this time."""
+        replies = await asyncio.gather(
+            *(read(group) for group in groups), return_exceptions=True
+        )
+        fetched: StreamEntries = []
+        errors: list[BaseException] = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                errors.append(reply)
+            else:
+                fetched += reply
+        failure = next((e for e in errors if not is_outage(e)), None)
+        if failure is None and len(errors) == len(groups):
+            failure = errors[0]
+        if failure is not None:
+            if not fetched:
+                raise failure
+            self._deferred = failure
+        return fetched
 
     def _collect(
         self, done: Iterable[asyncio.Task[StreamEntries]], group_count: int

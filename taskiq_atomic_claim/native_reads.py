@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from taskiq_atomic_claim.claim_gate import FleetCheck
+from taskiq_atomic_claim.claim_gate import FleetCheck, by_gate
 from taskiq_atomic_claim.claim_schedule import ClaimSchedule
 from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.dead_letter_policy import crashed_out
@@ -42,10 +42,18 @@ class NativePathReads:
         scripts: ScriptRunner,
         in_flight: EntryLifecycle,
         metrics: ReclaimMetrics,
-        fleet: FleetCheck,
+        gates: dict[str, FleetCheck],
+        *,
+        per_slot: bool = False,
     ) -> None:
         self.reads = reads
-        self.fleet = fleet
+        # Each stream's gate: one for all on a server, one per slot on
+        # Cluster.
+        self.gates = gates
+        # Cluster: a slot's blocking read outlives one step (it goes on in
+        # cluster_client), so claims go in a read of their own that does
+        # not block, and blocking reads never claim.
+        self.per_slot = per_slot
         self.schedule = schedule
         self.settings = schedule.settings
         self.streams = schedule.streams
@@ -69,37 +77,41 @@ class NativePathReads:
         their next try of the gate (one to two intervals, or
         ``xread_block``, whichever comes first)."""
         now = time.monotonic()
-        claiming = False
+        claiming: set[str] = set()
         due = self.schedule.due_streams()
         if due:
-            draining = len(self.schedule.gated(due)) < len(due)
-            if draining or await self.fleet.enter(client):
-                self.schedule.claiming(self.streams, now)
+            draining = set(due) - set(self.schedule.gated(due))
+            for gate, behind in by_gate(self.gates, self._behind_gates(due)).items():
+                if draining & set(behind) or await gate.enter(client):
+                    claiming.update(behind)
+                else:
+                    self.schedule.kept_out(behind, now, gate.retry_after_s())
+            if claiming:
+                self.schedule.claiming(sorted(claiming), now)
                 await self.sweep_if_due(client)
-                claiming = True
-            else:
-                self.schedule.kept_out(self.streams, now, self.fleet.retry_after_s())
-        if not self.fleet.gated:
-            # Cluster, no gate: a slot's read outlives one step (it goes on
-            # in cluster_client), so every read claims.
-            claiming = True
         until = self.schedule.next_claim
-        aside = self.schedule.standing_aside(now) if claiming else set(self.streams)
-        if aside:
-            # Streams standing aside are read without CLAIM; the others
-            # claim first, without blocking, then everything is read new.
-            claims = {s: v for s, v in read_from.items() if s not in aside}
-            if claims:
-                claimed = await within(
-                    REPLY_MARGIN_S,
-                    self._read(client, claims, now, claim=True, block=False),
-                )
-                if claimed:
-                    return claimed
+        claiming -= self.schedule.standing_aside(now)
+        claims = {s: start for s, start in read_from.items() if s in claiming}
+        if claims and (self.per_slot or len(claims) < len(read_from)):
+            # Those that claim do so first, without blocking; then everything
+            # is read new.
+            claimed = await within(
+                REPLY_MARGIN_S,
+                self._read(client, claims, now, claim=True, block=False),
+            )
+            if claimed:
+                return claimed
+            claims = {}
         return await within(
             max(0.0, until - time.monotonic()) + REPLY_MARGIN_S,
-            self._read(client, read_from, until, claim=not aside),
+            self._read(client, read_from, until, claim=bool(claims)),
         )
+
+    def _behind_gates(self, due: list[str]) -> list[str]:
+        """The streams whose gates ``due`` streams are behind: a gate lets
+        its consumer claim on every stream behind it."""
+        gates = {self.gates[stream] for stream in due}
+        return [stream for stream in self.streams if self.gates[stream] in gates]
 
     async def _read(
         self,
@@ -134,13 +146,14 @@ class NativePathReads:
         reclaimed = dict.fromkeys(streams, 0)
         for stream, _, _, maybe_reclaimed in read:
             reclaimed[stream] += maybe_reclaimed
-        backlog = False
+        backlog = []
         for stream, taken in reclaimed.items():
             full = count is not None and taken >= count
             self.schedule.read_claimed(stream, full=full, started=started)
-            backlog = backlog or full
-        if backlog:
-            await self.fleet.open(client)
+            if full:
+                backlog.append(stream)
+        for gate in by_gate(self.gates, backlog):
+            await gate.open(client)
 
     async def drop_trimmed(self, client: ScriptClient) -> None:
         """Where reads reclaim: remove from the PEL entries deleted from the
@@ -149,7 +162,12 @@ class NativePathReads:
         call, from where the last call stopped (kept here, not in a key).
         Only streams where a plain look finds an entry idle that long are
         swept (after a claiming read, those are the deleted ones)."""
-        for stream in await self.fleet.idle_streams(client, self.streams):
+        idle = [
+            stream
+            for gate, behind in by_gate(self.gates, self.streams).items()
+            for stream in await gate.idle_streams(client, behind)
+        ]
+        for stream in idle:
             keys = StreamKeys(stream, self.group)
             next_start, trimmed = await self.scripts.run(
                 client,

@@ -211,9 +211,13 @@ class TrimmedNativeReads(NativePathReads):
         in_flight: EntryLifecycle,
         metrics: ReclaimMetrics,
         trim: StreamTrim,
-        fleet: FleetCheck,
+        gates: dict[str, FleetCheck],
+        *,
+        per_slot: bool = False,
     ) -> None:
-        super().__init__(reads, schedule, scripts, in_flight, metrics, fleet)
+        super().__init__(
+            reads, schedule, scripts, in_flight, metrics, gates, per_slot=per_slot
+        )
         self.trim = trim
 
     async def step(

@@ -789,6 +789,37 @@ async def test_redis_62_cluster_claims_with_cached_scripts(
     assert broker.atomic.scripts.reloads == 0
 
 
+@bounded(60)
+async def test_an_idle_redis_8_fleet_reads_with_claim_once_per_slot_per_interval(
+    redis_8_cluster: LocalCluster, make_broker: Brokers
+) -> None:
+    """Where reads reclaim, the gate is per slot too: one consumer of the
+    fleet reads a slot's streams with CLAIM each claim interval; the
+    others' reads are plain, as taskiq-redis's are."""
+    cluster = redis_8_cluster
+    streams = spread_streams(cluster, f"gated8-{uuid.uuid4().hex[:6]}")
+    brokers = [
+        await make_broker(
+            cluster, streams, f"w{n}", idle_timeout=4000, claim_interval=500
+        )
+        for n in range(6)
+    ]
+    consumers = [Consumer(broker) for broker in brokers]
+    await asyncio.sleep(0.5)  # past the first claims, due at startup
+    seen = await asyncio.gather(*(commands_on(node, 2.0) for node in cluster.primaries))
+    for consumer in consumers:
+        await consumer.stop()
+    for node_commands in seen:
+        reads = [c for c in node_commands if c[0].upper() == "XREADGROUP"]
+        claiming = [c for c in reads if "CLAIM" in (t.upper() for t in c)]
+        # 6 workers reading each slot every 500 ms (xread_block): ~24 reads,
+        # every one of them claiming without the gate; one claiming read
+        # per 500 ms interval fleet-wide, two where the gate changes hands
+        # as its key lapses: at most 8.
+        assert len(reads) >= 12, reads
+        assert len(claiming) <= 8, f"{len(claiming)} of {len(reads)} reads claim"
+
+
 @bounded(90)
 async def test_redis_8_cluster_reclaims_through_its_reads(
     redis_8_cluster: LocalCluster, make_broker: Brokers
