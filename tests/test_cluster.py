@@ -334,6 +334,26 @@ async def commands_on(node: ClusterNode, seconds: float) -> list[list[str]]:
         return await commands_seen(client, seconds)
 
 
+async def idle_fleet_commands(
+    cluster: LocalCluster, make_broker: Brokers, workers: int
+) -> list[list[list[str]]]:
+    """What each primary runs in 2 s while ``workers`` idle consumers
+    (idle_timeout 4 s, a claim each 500 ms) listen to a stream on each."""
+    streams = spread_streams(cluster, f"gated-{uuid.uuid4().hex[:6]}")
+    brokers = [
+        await make_broker(
+            cluster, streams, f"w{n}", idle_timeout=4000, claim_interval=500
+        )
+        for n in range(workers)
+    ]
+    consumers = [Consumer(broker) for broker in brokers]
+    await asyncio.sleep(0.5)  # past the first claims, due at startup
+    seen = await asyncio.gather(*(commands_on(node, 2.0) for node in cluster.primaries))
+    for consumer in consumers:
+        await consumer.stop()
+    return list(seen)
+
+
 @bounded(60)
 async def test_an_idle_fleet_looks_once_per_slot_per_interval(
     cluster: LocalCluster, make_broker: Brokers
@@ -342,19 +362,7 @@ async def test_an_idle_fleet_looks_once_per_slot_per_interval(
     looks at a slot's streams each claim interval, with a plain XPENDING,
     and with nothing idle no claim script runs, however many workers
     listen."""
-    streams = spread_streams(cluster, f"gated-{uuid.uuid4().hex[:6]}")
-    brokers = [
-        await make_broker(
-            cluster, streams, f"w{n}", idle_timeout=4000, claim_interval=500
-        )
-        for n in range(4)
-    ]
-    consumers = [Consumer(broker) for broker in brokers]
-    await asyncio.sleep(0.5)  # past the first claims, due at startup
-    seen = await asyncio.gather(*(commands_on(node, 2.0) for node in cluster.primaries))
-    for consumer in consumers:
-        await consumer.stop()
-    for node_commands in seen:
+    for node_commands in await idle_fleet_commands(cluster, make_broker, 4):
         fcalls = [c[1] for c in node_commands if c[0].upper() == "FCALL"]
         claims = [name for name in fcalls if name.endswith("_claim")]
         looks = [c for c in node_commands if c[0].upper() == "XPENDING"]
@@ -796,20 +804,7 @@ async def test_an_idle_redis_8_fleet_reads_with_claim_once_per_slot_per_interval
     """Where reads reclaim, the gate is per slot too: one consumer of the
     fleet reads a slot's streams with CLAIM each claim interval; the
     others' reads are plain, as taskiq-redis's are."""
-    cluster = redis_8_cluster
-    streams = spread_streams(cluster, f"gated8-{uuid.uuid4().hex[:6]}")
-    brokers = [
-        await make_broker(
-            cluster, streams, f"w{n}", idle_timeout=4000, claim_interval=500
-        )
-        for n in range(6)
-    ]
-    consumers = [Consumer(broker) for broker in brokers]
-    await asyncio.sleep(0.5)  # past the first claims, due at startup
-    seen = await asyncio.gather(*(commands_on(node, 2.0) for node in cluster.primaries))
-    for consumer in consumers:
-        await consumer.stop()
-    for node_commands in seen:
+    for node_commands in await idle_fleet_commands(redis_8_cluster, make_broker, 6):
         reads = [c for c in node_commands if c[0].upper() == "XREADGROUP"]
         claiming = [c for c in reads if "CLAIM" in (t.upper() for t in c)]
         # 6 workers reading each slot every 500 ms (xread_block): ~24 reads,
