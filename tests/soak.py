@@ -129,6 +129,7 @@ async def run_soak(
         )
         if not empty_restart:
             producer.poison_gate.set()
+            producer.empty_begun.set()
         try:
             with running_workers() as processes:
                 chaos = _Chaos(drill, server, queue_client, dead, report, processes)
@@ -187,6 +188,7 @@ async def _chaos_loop(
                 # pins. The restart waits for the workers to be up.
                 and log.all_up([name for name, _ in chaos.live.values()])
             ):
+                producer.empty_begun.set()
                 await chaos.restart_server(empty=True)
                 producer.poison_gate.set()
             if progress is not None and time.monotonic() >= next_progress:

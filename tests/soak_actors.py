@@ -78,6 +78,10 @@ class _Producer:
     # Set once the empty restart is over: it would take a poison task with
     # it before its max_deliveries starts.
     poison_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set as the empty restart begins: the last sixth waits for it, so the
+    # restart comes under a live producer however slowly the workers that
+    # it waits for come up (the kicks during its outage are retried).
+    empty_begun: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
         next_at = time.monotonic()
@@ -87,6 +91,8 @@ class _Producer:
             for k in range(self.poison)
         ]
         for number in range(self.messages):
+            if number == 5 * self.messages // 6:
+                await self.empty_begun.wait()
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             await self._kick(f"m{number}")
             while (
