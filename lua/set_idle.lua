@@ -9,13 +9,16 @@
   ARGV[1]  group
   ARGV[2]  consumer                  the caller
   ARGV[3]  idle_ms                   idle time to set
-  ARGV[4..n]  entry ids (the caller sends at most 1000 per call)
+  ARGV[4]  orphans                   the consumer recreate_group gave a
+                                     vanished group's started entries to:
+                                     the caller takes back those it holds
+  ARGV[5..n]  entry ids (the caller sends at most 1000 per call)
 
   Returns {id, ...}: the ids the caller no longer owns (claimed by another
   consumer, acked, or trimmed); those were left untouched.
 
-  Invariant: never takes an entry from another consumer, and never raises a
-  delivery count (XCLAIM ... JUSTID). Writes no key.
+  Invariant: never takes an entry from another worker's consumer, and never
+  raises a delivery count (XCLAIM ... JUSTID). Writes no key.
 ]]
 
 --- @include "call_chunked"
@@ -23,12 +26,12 @@
 --- @include "set_idle_of"
 
 local stream = KEYS[1]
-local group, consumer, idle_ms = ARGV[1], ARGV[2], ARGV[3]
+local group, consumer, idle_ms, orphans = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
 local ids = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   ids[#ids + 1] = ARGV[i]
 end
-local owned, lost = split_owned(stream, group, consumer, ids)
+local owned, lost = split_owned(stream, group, consumer, ids, orphans)
 set_idle_of(stream, group, consumer, idle_ms, owned)
 return lost

@@ -176,7 +176,12 @@ class AtomicParts:
             before_call=before_call,
         )
         self.groups = ConsumerGroups(
-            self.streams, group, broker.consumer_id, broker.mkstream, positions
+            self.streams,
+            group,
+            broker.consumer_id,
+            broker.mkstream,
+            positions,
+            self.scripts,
         )
         self.checks = StartupChecks(
             self.connection,

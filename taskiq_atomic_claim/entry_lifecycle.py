@@ -63,7 +63,7 @@ from taskiq_atomic_claim.dead_letter_results import DeadLetterResults
 from taskiq_atomic_claim.dead_letters import DeadLettering
 from taskiq_atomic_claim.delivery import Delivery, EntryData
 from taskiq_atomic_claim.finished import FinishedEntries
-from taskiq_atomic_claim.keys import StreamKeys
+from taskiq_atomic_claim.keys import ORPHANS_CONSUMER, StreamKeys
 from taskiq_atomic_claim.metrics import ReclaimMetrics
 from taskiq_atomic_claim.operations import hand_back_call, set_idle_call
 from taskiq_atomic_claim.replies import text
@@ -581,6 +581,7 @@ class EntryLifecycle:
                         group=self.group,
                         consumer=self.consumer,
                         idle_ms=idle_ms,
+                        orphans=ORPHANS_CONSUMER,
                         entry_ids=chunk,
                     ),
                 )

@@ -21,11 +21,15 @@ raised by every id it reads. On NOGROUP the group is re-created at
   deleted, and old history cannot be told from new. Every entry in the
   stream is delivered: at least once, never skipped.
 
-Entries the old group had delivered but not acked (its PEL) went with it:
-a task still running finishes; one whose worker had died is not re-run.
-Several workers may race: the first XGROUP CREATE wins (BUSYGROUP for the
-others); each candidate id is at most what the group had delivered before,
-and every entry after it is delivered.
+The old group's pending list went with it. The entries it had started and
+not acked (still named in the started hash, a key of its own) are given to
+the orphans' consumer in the step that creates the group
+(``lua/recreate_group.lua``): a live worker takes its own back at its next
+heartbeat, a dead worker's are reclaimed once idle and run again, counted
+as crashes. Entries a dead worker had read and not started are named
+nowhere: not re-run. Several workers may race: the first XGROUP CREATE wins
+(BUSYGROUP for the others); each candidate id is at most what the group had
+delivered before, and every entry after it is delivered.
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from taskiq_atomic_claim.clients import ScriptClient
+from taskiq_atomic_claim.keys import ORPHANS_CONSUMER, StreamKeys
+from taskiq_atomic_claim.operations import recreate_group_call
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import (
+    Fault,
+    classify,
     group_exists,
     is_missing_key,
     is_outage,
@@ -100,12 +109,13 @@ class GroupPositions:
 
 async def recreate_group(
     client: ScriptClient,
-    stream: str,
-    group: str,
+    scripts: ScriptRunner,
+    keys: StreamKeys,
     remembered: str | None,
     mkstream: bool,
 ) -> str | None:
-    """Create ``group`` on ``stream`` where it skips nothing (module doc).
+    """Create the group of ``keys`` where it skips nothing, its started
+    entries adopted (module doc).
 
     Returns the id it was created at; None when it already existed
     (BUSYGROUP: another worker re-created it first).
@@ -113,11 +123,45 @@ async def recreate_group(
     start = "0"
     if remembered is not None:
         survived = await client.execute_command(
-            "XRANGE", stream, remembered, remembered
+            "XRANGE", keys.stream, remembered, remembered
         )
         if survived:
             start = remembered
-    return start if await create_group(client, stream, group, start, mkstream) else None
+    call = recreate_group_call(
+        stream=keys.stream,
+        started=keys.started,
+        group=keys.group,
+        start=start,
+        orphans=ORPHANS_CONSUMER,
+        mkstream=mkstream,
+    )
+    try:
+        adopted = await scripts.run(client, call)
+    except ResponseError as error:
+        if classify(error) is not Fault.FORBIDDEN:
+            raise
+        # An ACL from before the script (re-run `acl`): the group comes
+        # back without the started entries, as before it.
+        logger.warning(
+            "Consumer group %r on stream %r re-created without its started"
+            " entries (%s): re-run `taskiq-atomic-claim acl`",
+            keys.group,
+            keys.stream,
+            error,
+        )
+        created = await create_group(client, keys.stream, keys.group, start, mkstream)
+        return start if created else None
+    if adopted < 0:
+        return None
+    if adopted:
+        logger.warning(
+            "%d entries the vanished group %r had started on stream %r are"
+            " pending again: each runs once its worker is found dead",
+            adopted,
+            keys.group,
+            keys.stream,
+        )
+    return start
 
 
 async def create_group(

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from redis.crc import key_slot
 
 PREFIX = "taskiq-atomic-claim"
+# The consumer a vanished group's started entries are given to when it is
+# re-created (``lua/recreate_group.lua``): no worker's name, so they are
+# reclaimed as a dead worker's, and a live worker takes back its own.
+ORPHANS_CONSUMER = f"{PREFIX}:orphans"
 _STAND_IN_ALPHABET = string.ascii_lowercase + string.digits
 
 

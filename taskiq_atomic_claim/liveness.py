@@ -36,7 +36,7 @@ from taskiq_atomic_claim.clients import ScriptClient
 from taskiq_atomic_claim.connection import Connection
 from taskiq_atomic_claim.delivery import Delivery
 from taskiq_atomic_claim.entry_lifecycle import SCRIPT_BATCH, EntryLifecycle
-from taskiq_atomic_claim.keys import alive_prefix
+from taskiq_atomic_claim.keys import ORPHANS_CONSUMER, alive_prefix
 from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
@@ -227,6 +227,7 @@ class LivenessThread:
                                 group=self.in_flight.group,
                                 consumer=self.in_flight.consumer,
                                 idle_ms=0,
+                                orphans=ORPHANS_CONSUMER,
                                 entry_ids=[d.entry_id for d in chunk],
                             ),
                         ),

@@ -16,7 +16,9 @@ consumers) kicks are refused; what workers do with what they already read
 must go on, or acks give up and finished tasks run again. So every operation
 of a worker is ``allow_oom``: each frees memory, keeps it as it is, or grows
 it by a bound set by the tasks in flight, not by traffic (see each one). The
-operator's moves of dead letters back onto streams are refused like kicks.
+operator's moves of dead letters back onto streams are refused like kicks,
+and re-creating a vanished group as XGROUP CREATE is (the listen loop waits
+for memory).
 A task's start and ack are plain commands, not operations here
 (``task_records.py``): out of memory the ack runs, the start's transaction
 is refused and its task runs uncounted.
@@ -115,6 +117,9 @@ DROP_TRIMMED: Operation[list[Any]] = Operation(
 HAND_BACK: Operation[list[Any]] = Operation(
     "hand_back", ("stream", "started"), allow_oom=True
 )
+# -1 when the group exists already, else how many entries it adopted.
+# Creates a group, as XGROUP CREATE does: refused out of memory like it.
+RECREATE_GROUP: Operation[int] = Operation("recreate_group", ("stream", "started"))
 # [[dead-letter id, new stream id], ...]. Adds entries to the stream, as a
 # kick does: refused out of memory.
 REQUEUE_DEAD_LETTERS: Operation[list[Any]] = Operation(
@@ -139,6 +144,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     DROP_TRIMMED,
     HAND_BACK,
     LEAVE_GROUP,
+    RECREATE_GROUP,
     REQUEUE_DEAD_LETTERS,
     SET_IDEMPOTENCY,
     SET_IDLE,
@@ -312,9 +318,25 @@ def set_idempotency_call(
 
 
 def set_idle_call(
-    *, stream: str, group: str, consumer: str, idle_ms: int, entry_ids: Sequence[str]
+    *,
+    stream: str,
+    group: str,
+    consumer: str,
+    idle_ms: int,
+    orphans: str,
+    entry_ids: Sequence[str],
 ) -> OperationCall[list[Any]]:
-    return OperationCall(SET_IDLE, (stream,), (group, consumer, idle_ms, *entry_ids))
+    return OperationCall(
+        SET_IDLE, (stream,), (group, consumer, idle_ms, orphans, *entry_ids)
+    )
+
+
+def recreate_group_call(
+    *, stream: str, started: str, group: str, start: str, orphans: str, mkstream: bool
+) -> OperationCall[int]:
+    return OperationCall(
+        RECREATE_GROUP, (stream, started), (group, start, orphans, _flag(mkstream))
+    )
 
 
 def trim_consumed_call(

@@ -15,7 +15,9 @@ from taskiq_atomic_claim.group_recovery import (
     first_position,
     recreate_group,
 )
+from taskiq_atomic_claim.keys import StreamKeys
 from taskiq_atomic_claim.replies import text
+from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import stream_missing
 
 logger = logging.getLogger("taskiq.atomic_claim")
@@ -46,7 +48,9 @@ class ConsumerGroups:
         consumer_id: str,
         mkstream: bool,
         positions: GroupPositions,
+        scripts: ScriptRunner,
     ) -> None:
+        self.scripts = scripts
         self.streams = streams
         self.group = group
         self.consumer_id = consumer_id
@@ -80,8 +84,8 @@ class ConsumerGroups:
             try:
                 start = await recreate_group(
                     client,
-                    stream,
-                    self.group,
+                    self.scripts,
+                    StreamKeys(stream, self.group),
                     self.positions.get(stream),
                     self.mkstream,
                 )

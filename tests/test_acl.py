@@ -155,6 +155,15 @@ async def _exercise(url: str, redis: Redis, steps: list[str]) -> None:
             await asyncio.sleep(IDLE_MS / 1000)
             steps.append("ack")
             await maybe_awaitable(got[0].ack())
+            # An operator's XGROUP DESTROY: the group re-created (the started
+            # entry adopted: HKEYS), then taken back by a heartbeat.
+            steps.append("group destroyed")
+            await redis.xgroup_destroy(QUEUE, GROUP)
+            await broker.kick(message("after"))
+            while b"after" not in {m.data for m in got}:
+                steps.append("listen")
+                got.append(await asyncio.wait_for(listener.__anext__(), 3))
+            await asyncio.sleep(IDLE_MS / 1000)
             steps.append("hand back")
             await broker.atomic.heartbeat.hand_back()
     finally:
@@ -253,24 +262,17 @@ async def test_without_reload_a_flushed_library_needs_an_operator(
     await redis.xgroup_create(QUEUE, GROUP, id="0", mkstream=True)
     keys = StreamKeys(QUEUE, GROUP)
     worker = Redis.from_url(with_user(server.url, USER, PASSWORD))
+    beat = set_idle_call(
+        stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, orphans="o", entry_ids=[]
+    )
     try:
         await ScriptRunner().load(redis)  # what `taskiq-atomic-claim load` does
-        await ScriptRunner().run(
-            worker,
-            set_idle_call(
-                stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
-            ),
-        )
+        await ScriptRunner().run(worker, beat)
         await server_command(redis, "SCRIPT", "FLUSH")
         if int(version.split(".")[0]) >= 7:
             await server_command(redis, "FUNCTION", "FLUSH")
         with pytest.raises(NoPermissionError):
-            await ScriptRunner().run(
-                worker,
-                set_idle_call(
-                    stream=QUEUE, group=GROUP, consumer="c", idle_ms=0, entry_ids=[]
-                ),
-            )
+            await ScriptRunner().run(worker, beat)
     finally:
         await worker.aclose()
         await redis.delete(keys.lease)

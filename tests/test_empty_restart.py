@@ -31,6 +31,9 @@ from taskiq_atomic_claim import AtomicRedisStreamBroker, AtomicRedisStreamCluste
 from taskiq_atomic_claim.group_recovery import first_position, recreate_group
 from taskiq_atomic_claim.harness.drill_app import events_stream
 from taskiq_atomic_claim.harness.embedded_server import LocalServer
+from taskiq_atomic_claim.keys import ORPHANS_CONSUMER, StreamKeys
+from taskiq_atomic_claim.operations import set_idle_call
+from taskiq_atomic_claim.scripts import ScriptRunner
 from tests.conftest import Server, server_command
 from tests.empty_restart_app import TASK_NAME
 
@@ -217,20 +220,84 @@ async def test_recreating_in_a_new_stream_starts_at_its_first_entry(
     remembered id later than everything in the stream (a new history whose
     server clock is behind the old one's), a trimmed one, or none at all
     re-create at 0, skipping nothing."""
+    runner = ScriptRunner()
     await redis.xadd("s", {"a": "1"}, id="5-0")
     await redis.xadd("s", {"a": "2"}, id="7-0")
-    assert await recreate_group(redis, "s", "g", "99-0", mkstream=True) == "0"
-    assert await recreate_group(redis, "s", "g", "99-0", mkstream=True) is None
+    assert (
+        await recreate_group(redis, runner, StreamKeys("s", "g"), "99-0", mkstream=True)
+        == "0"
+    )
+    assert (
+        await recreate_group(redis, runner, StreamKeys("s", "g"), "99-0", mkstream=True)
+        is None
+    )
     await redis.xgroup_destroy("s", "g")
-    assert await recreate_group(redis, "s", "g", "6-0", mkstream=True) == "0"
+    assert (
+        await recreate_group(redis, runner, StreamKeys("s", "g"), "6-0", mkstream=True)
+        == "0"
+    )
     await redis.xgroup_destroy("s", "g")
-    assert await recreate_group(redis, "s", "g", None, mkstream=True) == "0"
+    assert (
+        await recreate_group(redis, runner, StreamKeys("s", "g"), None, mkstream=True)
+        == "0"
+    )
     await redis.xgroup_destroy("s", "g")
-    assert await recreate_group(redis, "s", "g", "5-0", mkstream=True) == "5-0"
+    assert (
+        await recreate_group(redis, runner, StreamKeys("s", "g"), "5-0", mkstream=True)
+        == "5-0"
+    )
     [group] = await redis.xinfo_groups("s")
     assert group["last-delivered-id"] == b"5-0"
-    assert await recreate_group(redis, "gone", "g", "5-0", mkstream=True) == "0"
+    assert (
+        await recreate_group(
+            redis, runner, StreamKeys("gone", "g"), "5-0", mkstream=True
+        )
+        == "0"
+    )
     assert await redis.xinfo_groups("gone")
+
+
+async def test_a_recreated_group_gives_its_started_entries_to_the_orphans(
+    redis: Redis,
+) -> None:
+    """The started hash outlives the group: an entry started and not acked
+    before the group vanished is pending again, at the orphans' consumer,
+    where the claim finds it; a worker that holds it takes it back."""
+    runner = ScriptRunner()
+    keys = StreamKeys("s", "g")
+    for ms in (1, 2, 3, 4):
+        await redis.xadd("s", {"a": str(ms)}, id=f"{ms}-0")
+    await redis.xgroup_create("s", "g", id="0")
+    await redis.xreadgroup("g", "w", {"s": ">"}, count=3)
+    # 1-0 and 3-0 started (3-0 after what the re-creating worker knows);
+    # 2-0 was read and not started; 4-0 never read.
+    await redis.hset(keys.started, mapping={"1-0": 1, "3-0": 1, "keep-hashtable": "x"})
+    await redis.pexpire(keys.started, 60_000)
+    await redis.xgroup_destroy("s", "g")
+    assert await recreate_group(redis, runner, keys, "2-0", mkstream=True) == "2-0"
+    pending = await redis.xpending_range("s", "g", "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [
+        (b"1-0", ORPHANS_CONSUMER.encode())
+    ]
+    assert pending[0]["times_delivered"] == 1
+    # 3-0 and 4-0 come with the next read, as new.
+    fresh: Any = await redis.xreadgroup("g", "x", {"s": ">"})
+    assert [entry_id for entry_id, _ in fresh[0][1]] == [b"3-0", b"4-0"]
+    # The worker running 1-0 takes it back at its heartbeat.
+    lost = await runner.run(
+        redis,
+        set_idle_call(
+            stream="s",
+            group="g",
+            consumer="w",
+            idle_ms=0,
+            orphans=ORPHANS_CONSUMER,
+            entry_ids=["1-0"],
+        ),
+    )
+    assert lost == []
+    [taken] = await redis.xpending_range("s", "g", "1-0", "1-0", 1)
+    assert taken["consumer"] == b"w"
 
 
 def _message(body: str) -> Any:

@@ -104,7 +104,12 @@ async def test_oldest_pending_reads_the_whole_pel(redis: Redis, queue: str) -> N
 
     async def set_idle(idle_ms: int, ids: list[str]) -> None:
         call = set_idle_call(
-            stream=queue, group=GROUP, consumer="dead", idle_ms=idle_ms, entry_ids=ids
+            stream=queue,
+            group=GROUP,
+            consumer="dead",
+            idle_ms=idle_ms,
+            orphans="o",
+            entry_ids=ids,
         )
         assert await ScriptRunner().run(redis, call) == []  # all still its own
 

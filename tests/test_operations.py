@@ -94,7 +94,12 @@ async def test_a_wrong_key_count_is_refused_before_any_round_trip(
     assert [name for name in sent if "config" not in name] == []
     # Its function builds the right count, and it goes through.
     call = set_idle_call(
-        stream=keys.stream, group=keys.group, consumer="c", idle_ms=0, entry_ids=[]
+        stream=keys.stream,
+        group=keys.group,
+        consumer="c",
+        idle_ms=0,
+        orphans="o",
+        entry_ids=[],
     )
     assert await runner.run(redis, call) == []
 
@@ -256,6 +261,7 @@ async def test_functions_carry_the_declared_flags_and_an_unflagged_library_is_ou
         for op in OPERATIONS
     }
     assert {op.name for op in OPERATIONS if not op.allow_oom} == {
+        "recreate_group",  # creates a group: refused as XGROUP CREATE is
         "requeue_dead_letters",
         "set_idempotency",
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -247,6 +248,72 @@ async def test_a_destroyed_group_loses_no_task_still_in_the_stream(
     )
     lost = sorted(set(runs) - set(noted))
     assert not lost, logs
+    assert "Traceback" not in logs, logs
+
+
+async def started_at(
+    redis: Redis, consumer: str, seconds: float, *, other_than: str = ""
+) -> str:
+    """The id of an entry pending at ``consumer`` whose start is recorded."""
+    started = StreamKeys(QUEUE, SUITE_GROUP).started
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for entry in await redis.xpending_range(QUEUE, SUITE_GROUP, "-", "+", 100):
+            entry_id = text(entry["message_id"])
+            if (
+                text(entry["consumer"]) == consumer
+                and entry_id != other_than
+                and await redis.hget(started, entry_id)
+            ):
+                return entry_id
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no task started at {consumer!r} within {seconds} s")
+
+
+async def test_a_dead_workers_task_runs_after_its_group_is_destroyed(
+    server: Server, redis: Redis, tmp_path: Path
+) -> None:
+    """XGROUP DESTROY while a SIGKILLed worker's task waits to be reclaimed
+    (its pending list goes with the group) and a live worker runs a long
+    task: the dead worker's task still runs, once; the live worker's runs
+    once, though it too is pending at the orphans' consumer for a while and
+    an idle worker stands by to take it."""
+    idle_ms = 8000
+    await redis.xgroup_create(QUEUE, SUITE_GROUP, id="0", mkstream=True)
+
+    def worker(name: str) -> subprocess.Popen[bytes]:
+        env = worker_env(server.admin_url, server.admin_url, name, idle_ms=idle_ms)
+        return taskiq_worker("tests.edges_app:broker", tmp_path / f"{name}.log", env)
+
+    with workers_stopped_at_exit() as workers:
+        workers.append(doomed := worker("doomed"))
+        async with kicking(server.admin_url) as kicker:
+            await kicker.kiq("orphan", 2.0)
+            orphan = await started_at(redis, "doomed", 30)
+            os.killpg(doomed.pid, signal.SIGKILL)  # its worker process too
+            doomed.wait()
+            workers.append(worker("live"))
+            await kicker.kiq("long", 10.0)
+            await started_at(redis, "live", 30, other_than=orphan)
+            [still] = await redis.xpending_range(QUEUE, SUITE_GROUP, orphan, orphan, 1)
+            assert text(still["consumer"]) == "doomed", "reclaimed before the test"
+            await redis.xgroup_destroy(QUEUE, SUITE_GROUP)
+            # Re-created by the live worker's next read (a worker starting
+            # while no group exists creates it at 0 and runs everything).
+            deadline = time.monotonic() + 10
+            while not await redis.xinfo_groups(QUEUE):
+                assert time.monotonic() < deadline, "the group was not re-created"
+                await asyncio.sleep(0.1)
+            workers.append(worker("standby"))
+            noted = await wait_for(redis, {"orphan", "long"}, 60)
+        for process in workers:
+            if process.poll() is None:
+                stop_gracefully(process)
+    logs = "\n".join(
+        (tmp_path / f"{name}.log").read_text() for name in ("doomed", "live", "standby")
+    )
+    assert noted["orphan"] == 1, logs
+    assert noted["long"] == 1, logs
     assert "Traceback" not in logs, logs
 
 

@@ -400,6 +400,7 @@ async def test_concurrent_calls_after_a_flush_reload_the_library_once(
                         group="taskiq",
                         consumer="alive",
                         idle_ms=0,
+                        orphans="o",
                         entry_ids=["0-1"],
                     ),
                 )

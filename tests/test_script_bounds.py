@@ -81,6 +81,7 @@ async def test_set_idle_and_hand_back_take_any_number_of_ids(redis: Redis) -> No
             group=KEYS.group,
             consumer="me",
             idle_ms=0,
+            orphans="o",
             entry_ids=ids,
         ),
     )

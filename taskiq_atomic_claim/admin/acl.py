@@ -12,7 +12,10 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xreadgroup", "read new entries"),
     ("xack", "acknowledge"),
     ("xadd", "kick; dead letters (inside the scripts)"),
-    ("xgroup|create", "create the group at startup and after it vanished"),
+    (
+        "xgroup|create",
+        "create the group at startup; inside recreate_group, after it vanished",
+    ),
     ("type", "refuse to start on a key that is not a stream"),
     (
         "xinfo|groups",
@@ -23,13 +26,18 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("xautoclaim", "inside claim"),
     (
         "xpending",
-        "inside set_idle, hand_back, dead_letter, decline, drop_trimmed, trim_consumed",
+        "inside set_idle, hand_back, dead_letter, decline, drop_trimmed,"
+        " trim_consumed, recreate_group",
     ),
     (
         "xclaim",
-        "fetch what claim took; inside set_idle, hand_back, decline, drop_trimmed",
+        "fetch what claim took; inside set_idle, hand_back, decline,"
+        " drop_trimmed, recreate_group",
     ),
-    ("xrange", "inside claim (dead letters), dead_letter, drop_trimmed (6.2)"),
+    (
+        "xrange",
+        "inside claim (dead letters), dead_letter, drop_trimmed (6.2), recreate_group",
+    ),
     ("get", "inside claim: lease holder, cursor; the fleet's claim gate"),
     (
         "set",
@@ -47,6 +55,7 @@ WORKER_COMMANDS: tuple[tuple[str, str], ...] = (
     ("hincrby", "start; inside hand_back: count a task's starts"),
     ("hsetnx", "start: the field that keeps the started hash a hash table"),
     ("hmget", "inside claim: start counts of the claimed entries"),
+    ("hkeys", "inside recreate_group: the entries a vanished group had started"),
     ("hdel", "ack; inside claim, hand_back, dead_letter: forget a start count"),
     ("multi", "start: its count and the hash's expiry in one transaction"),
     ("exec", "start: its count and the hash's expiry in one transaction"),
@@ -108,7 +117,7 @@ Channels: none (resetchannels).
 Commands: -@all, then
     +xreadgroup +xack +xadd +xgroup|create +type +xinfo|groups +info
     +xautoclaim +xpending +xclaim +xrange +get +set +del +pttl +pexpire
-    +incrby +hincrby +hsetnx +hmget +hdel +xgroup|delconsumer
+    +incrby +hincrby +hsetnx +hmget +hkeys +hdel +xgroup|delconsumer
     +xinfo|consumers +multi +exec +xtrim
   except on Redis >= 8.4, where the read reclaims: no +xautoclaim
   +del +pttl (with additional_streams read from explicit ids the claim
