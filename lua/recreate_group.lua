@@ -27,6 +27,10 @@
 local stream, started = KEYS[1], KEYS[2]
 local group, start, orphans, mkstream = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
+-- Read before any write: refused (an ACL from before this script), the
+-- script ends having changed nothing.
+local fields = redis.call("HKEYS", started)
+
 local create = {"XGROUP", "CREATE", stream, group, start}
 if mkstream == "1" then
   create[#create + 1] = "MKSTREAM"
@@ -53,7 +57,7 @@ if start_ms == nil then
 end
 
 local adopted = 0
-for _, id in ipairs(redis.call("HKEYS", started)) do
+for _, id in ipairs(fields) do
   local ms, seq = id_parts(id)
   -- Not every field is an entry id (task_records.KEEP_HASHTABLE_FIELD).
   if ms ~= nil and (ms < start_ms or (ms == start_ms and seq <= start_seq))

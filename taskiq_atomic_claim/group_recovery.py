@@ -45,11 +45,11 @@ from taskiq_atomic_claim.operations import recreate_group_call
 from taskiq_atomic_claim.replies import text
 from taskiq_atomic_claim.scripts import ScriptRunner
 from taskiq_atomic_claim.server_errors import (
-    Fault,
-    classify,
     group_exists,
     is_missing_key,
     is_outage,
+    refused_inside_script,
+    reply_text,
     stream_missing,
 )
 
@@ -138,18 +138,20 @@ async def recreate_group(
     try:
         adopted = await scripts.run(client, call)
     except ResponseError as error:
-        if classify(error) is not Fault.FORBIDDEN:
+        if not refused_inside_script(error):
             raise
         # An ACL from before the script (re-run `acl`): the group comes
-        # back without the started entries, as before it.
-        logger.warning(
-            "Consumer group %r on stream %r re-created without its started"
-            " entries (%s): re-run `taskiq-atomic-claim acl`",
-            keys.group,
-            keys.stream,
-            error,
-        )
+        # back without the started entries, as before it; XGROUP CREATE
+        # itself refused raises GroupCreationError.
         created = await create_group(client, keys.stream, keys.group, start, mkstream)
+        if created:
+            logger.warning(
+                "Consumer group %r on stream %r re-created without its started"
+                " entries (%s): re-run `taskiq-atomic-claim acl`",
+                keys.group,
+                keys.stream,
+                reply_text(error),
+            )
         return start if created else None
     if adopted < 0:
         return None

@@ -338,3 +338,15 @@ def is_permission_denied(error: ResponseError) -> bool:
     """NOPERM: the ACL does not let this user run the command (or touch
     the key)."""
     return reply_code(error) == "NOPERM"
+
+
+def refused_inside_script(error: ResponseError) -> bool:
+    """The ACL refused a command a script called, or the key it touched:
+    NOPERM, or an ``ERR`` that says so, under ``redis.call`` and
+    ``redis.pcall`` alike ("The user executing the script can't run this
+    command ..." to Redis 7.x, "ACL failure in script: ..." on 8.x)."""
+    message = _message(error)
+    return is_permission_denied(error) or any(
+        words in message
+        for words in ("user executing the script can't", "acl failure in script")
+    )

@@ -34,8 +34,15 @@ from taskiq_atomic_claim.harness.embedded_server import LocalServer
 from taskiq_atomic_claim.keys import ORPHANS_CONSUMER, StreamKeys
 from taskiq_atomic_claim.operations import set_idle_call
 from taskiq_atomic_claim.scripts import ScriptRunner
-from tests.conftest import Server, server_command
+from tests.conftest import (
+    SUITE_GROUP,
+    Server,
+    server_command,
+    suite_worker_rule,
+    with_user,
+)
 from tests.empty_restart_app import TASK_NAME
+from tests.test_operator_changes import rule_version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "taskiq-atomic-claim-drill-empty-restart"
@@ -298,6 +305,35 @@ async def test_a_recreated_group_gives_its_started_entries_to_the_orphans(
     assert lost == []
     [taken] = await redis.xpending_range("s", "g", "1-0", "1-0", 1)
     assert taken["consumer"] == b"w"
+
+
+async def test_an_acl_from_before_hkeys_recreates_the_group_as_before(
+    server: Server, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker user from before ``+hkeys``: the group comes back where it
+    did before, without adopting its started entries, and one warning says
+    to re-run ``acl``."""
+    user, password = "tac-old-acl", "tac-old-acl-password"
+    rule = [r for r in suite_worker_rule(rule_version(server)) if r != "+hkeys"]
+    await server_command(
+        redis, "ACL", "SETUSER", user, "reset", "on", f">{password}", *rule
+    )
+    worker = Redis.from_url(with_user(server.admin_url, user, password))
+    try:
+        await redis.xadd(QUEUE, {"a": "1"}, id="5-0")
+        caplog.set_level(logging.WARNING, "taskiq.atomic_claim")
+        keys = StreamKeys(QUEUE, SUITE_GROUP)
+        started = await recreate_group(
+            worker, ScriptRunner(), keys, "5-0", mkstream=True
+        )
+        assert started == "5-0"
+        [group] = await redis.xinfo_groups(QUEUE)
+        assert group["last-delivered-id"] == b"5-0"
+        warned = [r.getMessage() for r in caplog.records]
+        assert any("re-run `taskiq-atomic-claim acl`" in line for line in warned)
+    finally:
+        await worker.aclose()
+        await server_command(redis, "ACL", "DELUSER", user)
 
 
 def _message(body: str) -> Any:
