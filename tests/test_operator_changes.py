@@ -273,30 +273,34 @@ async def started_at(
 async def test_a_dead_workers_task_runs_after_its_group_is_destroyed(
     server: Server, redis: Redis, tmp_path: Path
 ) -> None:
-    """XGROUP DESTROY while a SIGKILLed worker's task waits to be reclaimed
-    (its pending list goes with the group) and a live worker runs a long
-    task: the dead worker's task still runs, once; the live worker's runs
-    once, though it too is pending at the orphans' consumer for a while and
-    an idle worker stands by to take it."""
-    idle_ms = 8000
+    """XGROUP DESTROY just after a worker was SIGKILLed mid-task (its
+    pending list goes with the group) while a live worker runs a long task:
+    the dead worker's task still runs, once; the live worker's runs once,
+    though it too is pending at the orphans' consumer for a while and an
+    idle worker stands by to take it."""
+    idle_ms = 4000
     await redis.xgroup_create(QUEUE, SUITE_GROUP, id="0", mkstream=True)
 
-    def worker(name: str) -> subprocess.Popen[bytes]:
+    def worker(name: str, *args: str) -> subprocess.Popen[bytes]:
         env = worker_env(server.admin_url, server.admin_url, name, idle_ms=idle_ms)
-        return taskiq_worker("tests.edges_app:broker", tmp_path / f"{name}.log", env)
+        log = tmp_path / f"{name}.log"
+        return taskiq_worker("tests.edges_app:broker", log, env, *args)
 
     with workers_stopped_at_exit() as workers:
-        workers.append(doomed := worker("doomed"))
+        # One slot: busy with the orphan, it reads nothing more.
+        workers.append(doomed := worker("doomed", "--max-async-tasks", "1"))
         async with kicking(server.admin_url) as kicker:
-            await kicker.kiq("orphan", 2.0)
+            # Long enough to outlast the live worker's start-up: killed while
+            # it runs, whatever the machine's speed.
+            await kicker.kiq("orphan", 12.0)
             orphan = await started_at(redis, "doomed", 30)
+            workers.append(worker("live"))
+            await kicker.kiq("long", 8.0)
+            await started_at(redis, "live", 30, other_than=orphan)
             os.killpg(doomed.pid, signal.SIGKILL)  # its worker process too
             doomed.wait()
-            workers.append(worker("live"))
-            await kicker.kiq("long", 10.0)
-            await started_at(redis, "live", 30, other_than=orphan)
             [still] = await redis.xpending_range(QUEUE, SUITE_GROUP, orphan, orphan, 1)
-            assert text(still["consumer"]) == "doomed", "reclaimed before the test"
+            assert text(still["consumer"]) == "doomed", "it finished before the kill"
             await redis.xgroup_destroy(QUEUE, SUITE_GROUP)
             # Re-created by the live worker's next read (a worker starting
             # while no group exists creates it at 0 and runs everything).
