@@ -441,8 +441,10 @@ async def test_a_connection_held_across_a_failover_moves_in_one_connect(
         finally:
             await pool.release(held)
     # Retrying the old address from inside each handshake opened dozens
-    # (until RecursionError); the sentinels reconfiguring it may open one.
-    assert connections_received(old_master) - old_before <= 2
+    # (until RecursionError). The three sentinels reconfiguring it open
+    # theirs meanwhile (a command and a pub/sub link each, at most): 14 - 11
+    # in a loaded run here.
+    assert connections_received(old_master) - old_before <= 7
     assert (held.host, held.port) == (HOST, new_master)
     assert text(role[0]) == "master"
 
